@@ -1,0 +1,133 @@
+"""Engine configuration: dataclasses that fail fast, with KVTIDE_* environment overrides.
+
+One source of truth: every knob has a field here; `EngineConfig.from_env()` applies KVTIDE_<SECTION>_<FIELD>
+variables (e.g. KVTIDE_CACHE_PAGE_SIZE=32, KVTIDE_SCHEDULER_MAX_NUM_SEQS=8, KVTIDE_DEVICE=cuda).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype '{name}' (choose from {', '.join(_DTYPES)})") from None
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache. Budget by bytes (`kv_cache_bytes`) or by page count (`num_pages`), not both."""
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None  # default: 1 GiB on CPU, 90% of free memory after weights on CUDA
+    kv_dtype: str = "bfloat16"  # DESIGN.md: KV is stored as BF16 even where compute is fp32
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"CacheConfig.page_size must be a positive power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"CacheConfig.num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"CacheConfig.kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_pages is not None and self.kv_cache_bytes is not None:
+            raise ValueError("set CacheConfig.num_pages or CacheConfig.kv_cache_bytes, not both")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        parse_dtype(self.kv_dtype)
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return parse_dtype(self.kv_dtype)
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits: running sequences per step and tokens per step (prefill chunks + decodes)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context window
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"SchedulerConfig.max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # compute dtype; auto: float32 on CPU, bfloat16 on CUDA
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when importable, else torch
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EngineConfig.model must name a bundled model or a path")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"EngineConfig.device must be auto, cpu or cuda[:N], got '{self.device}'")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"EngineConfig.attention_backend must be auto, torch or flashinfer, got '{self.attention_backend}'")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device asks for CUDA but torch sees no CUDA device")
+        return dev
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return parse_dtype(self.dtype)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "EngineConfig":
+        """Defaults, then KVTIDE_* variables, then explicit keyword overrides."""
+        cfg = cls(**overrides)
+        env = {k[len("KVTIDE_"):].lower(): v for k, v in os.environ.items() if k.startswith("KVTIDE_")}
+        sections = {"cache": cfg.cache, "scheduler": cfg.scheduler}
+        for key, raw in env.items():
+            section, _, name = key.partition("_")
+            if section in sections and any(f.name == name for f in dataclasses.fields(sections[section])):
+                if name not in overrides:
+                    sections[section] = dataclasses.replace(sections[section], **{name: _coerce(sections[section], name, raw)})
+            elif any(f.name == key for f in dataclasses.fields(cls)) and key not in ("cache", "scheduler") and key not in overrides:
+                cfg = dataclasses.replace(cfg, **{key: _coerce(cfg, key, raw)})
+        return dataclasses.replace(cfg, cache=sections["cache"], scheduler=sections["scheduler"])
+
+
+def _coerce(obj: Any, name: str, raw: str) -> Any:
+    current = getattr(obj, name)
+    if isinstance(current, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(current, int) or name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+        return int(raw)
+    if isinstance(current, float):
+        return float(raw)
+    return raw

@@ -1,0 +1,117 @@
+"""Attention backends: the bridge between the model's per-layer attention call and the paged KV cache.
+
+Plan once per step from the batch layout (which tokens belong to which sequence, where their pages are), then
+run per layer: store the layer's new K/V, attend. The torch backend works everywhere; the FlashInfer backend
+(`flashinfer_backend.py`) is used on CUDA when the package is importable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.paged_attention_ref import decode_attention_ref, prefill_attention_ref, write_kv
+
+
+@dataclass
+class BatchLayout:
+    """One step's flat batch: sequence i owns query rows [q_starts[i], q_starts[i] + q_lens[i])."""
+
+    q_lens: list[int]
+    kv_lens: list[int]  # context length after this step's tokens are written
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [T] page * page_size + offset for each new token
+    page_size: int
+
+    @property
+    def q_starts(self) -> list[int]:
+        out, s = [], 0
+        for n in self.q_lens:
+            out.append(s)
+            s += n
+        return out
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.q_lens)
+
+
+class AttentionBackend:
+    name = "base"
+
+    def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, head_dim: int):
+        self.kv_caches = kv_caches
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def plan(self, layout: BatchLayout) -> None:
+        raise NotImplementedError
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: decodes batched through one padded SDPA, prefill chunks one sequence at a time."""
+
+    name = "torch"
+
+    def plan(self, layout: BatchLayout) -> None:
+        dev = self.kv_caches[0].device
+        p = layout.page_size
+        self.slot_mapping = layout.slot_mapping
+        dec = [i for i, n in enumerate(layout.q_lens) if n == 1]
+        starts = layout.q_starts
+        self.dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=dev)
+        if dec:
+            max_kv = max(layout.kv_lens[i] for i in dec)
+            pos = torch.arange(max_kv)
+            rows = []
+            for i in dec:
+                table = torch.tensor(layout.block_tables[i], dtype=torch.long)
+                clipped = pos.clamp(max=layout.kv_lens[i] - 1)
+                rows.append(table[clipped // p])
+            self.dec_pages = torch.stack(rows).to(dev)
+            self.dec_offsets = (pos % p).expand(len(dec), -1).to(dev)
+            self.dec_kv_lens = torch.tensor([layout.kv_lens[i] for i in dec], device=dev)
+        self.prefills = [
+            (starts[i], n, torch.tensor(layout.block_tables[i], dtype=torch.long, device=dev), layout.kv_lens[i])
+            for i, n in enumerate(layout.q_lens) if n > 1
+        ]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.kv_caches[layer]
+        write_kv(cache, k, v, self.slot_mapping)
+        if not self.prefills:  # pure decode step: no scatter needed
+            return decode_attention_ref(q, cache, self.dec_pages, self.dec_offsets, self.dec_kv_lens, self.scale)
+        out = torch.empty_like(q)
+        if len(self.dec_rows):
+            out[self.dec_rows] = decode_attention_ref(
+                q[self.dec_rows], cache, self.dec_pages, self.dec_offsets, self.dec_kv_lens, self.scale)
+        for start, n, pages, kv_len in self.prefills:
+            out[start:start + n] = prefill_attention_ref(q[start:start + n], cache, pages, kv_len, self.scale)
+        return out
+
+
+def make_backend(name: str, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
+                 page_size: int) -> AttentionBackend:
+    device = kv_caches[0].device
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                import flashinfer  # noqa: F401
+
+                name = "flashinfer"
+            except ImportError:
+                pass
+    if name == "torch":
+        return TorchAttention(kv_caches, num_heads, head_dim)
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        from .flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(kv_caches, num_heads, num_kv_heads, head_dim, page_size)
+    raise ValueError(f"unknown attention backend '{name}' (choose auto, torch or flashinfer)")

@@ -1,0 +1,206 @@
+"""The engine loop: admit requests, schedule a step, run it, turn sampled tokens into text and finished outputs."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig
+from ..models.loader import load_model
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" (EOS, stop string or stop token), "length", "abort"
+    new_text: str = ""  # text made visible since the previous output of this request
+    new_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    ttft: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        device = config.torch_device
+        dtype = config.torch_dtype
+        sched_cfg = config.scheduler
+        self.model, self.tokenizer, self.model_dir = load_model(config.model, device, dtype, progress=progress)
+        args = self.model.args
+        self.max_model_len = min(sched_cfg.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        cache = config.cache
+        page_bytes = ModelRunner.page_bytes(args, cache.page_size, cache.torch_kv_dtype)
+        num_pages = cache.num_pages or max(1, self._kv_budget(device) // page_bytes)
+        self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend)
+        self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        # A sequence may never outgrow the whole cache, or it would preempt itself forever.
+        self.max_seq_len = min(self.max_model_len, num_pages * cache.page_size)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    def _kv_budget(self, device: torch.device) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_bytes is not None:
+            return cache.kv_cache_bytes
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return int(free - (1 - cache.gpu_memory_utilization) * total)
+        return 1 << 30
+
+    @property
+    def num_pages(self) -> int:
+        return self.block_manager.num_pages
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; a bad one raises ValueError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise TypeError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context window is {self.max_seq_len} tokens "
+                f"(model {self.max_model_len}, KV cache {self.num_pages * self.block_manager.page_size}); "
+                "shorten it to leave room for at least one generated token")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise ValueError(f"request id '{rid}' is already in use")
+        seq = Sequence(rid, text, ids, params)
+        seq.detok = self.tokenizer.detokenizer()
+        seq.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            seq.status = Status.FINISHED
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; returns an output for every request that made visible progress."""
+        plan = self.scheduler.schedule()
+        if not plan.batch:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
+            return []
+        t0 = time.perf_counter()
+        tokens = self.runner.execute(plan.batch, [s.generator for s, _ in plan.batch])
+        dt = time.perf_counter() - t0
+        n_prefill = sum(n for s, n in plan.batch if n > 1 or s.num_computed_tokens < s.num_prompt_tokens)
+        n_decode = plan.num_tokens - n_prefill
+        self.stats.steps += 1
+        self.stats.step_seconds += dt
+        self.stats.prefill_tokens += n_prefill
+        self.stats.decode_tokens += n_decode
+        if n_prefill:
+            self.stats.prefill_seconds += dt
+        else:
+            self.stats.decode_seconds += dt
+        outputs = []
+        it = iter(tokens)
+        now = time.perf_counter()
+        for seq, n in plan.batch:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            out = self._append_token(seq, next(it), now)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
+        p = seq.params
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_token_ids.append(token)
+        old_len = len(seq.text)
+        seq.text += seq.detok.step(token)
+        reason = None
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop:
+            hit = _find_stop(seq.text, p.stop, old_len)
+            if hit is not None:
+                seq.text = seq.text[:hit]
+                reason = "stop"
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_len):
+            reason = "length"
+        if reason is not None:
+            seq.status = Status.FINISHED
+            seq.finish_reason = reason
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+            self.seqs.pop(seq.request_id, None)
+        # Hold back a possible stop-string prefix until it is decided.
+        hold = 0 if seq.finished or not p.stop else max(len(s) for s in p.stop) - 1
+        visible = max(seq.emitted_chars, len(seq.text) - hold)
+        new_text = seq.text[seq.emitted_chars:visible]
+        seq.emitted_chars = visible
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text if seq.finished else seq.text[:visible], token_ids=list(seq.output_token_ids),
+            finished=seq.finished, finish_reason=seq.finish_reason, new_text=new_text, new_token_ids=[token],
+            num_cached_tokens=seq.num_cached_tokens, ttft=seq.ttft, num_preemptions=seq.num_preemptions,
+        )
+
+
+def _find_stop(text: str, stops: list[str], old_len: int) -> int | None:
+    """Earliest stop-string position that overlaps the newly added text."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, old_len - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

@@ -1,0 +1,70 @@
+"""Owns the model and the paged KV tensors; turns one scheduled step into a forward pass and sampled tokens."""
+from __future__ import annotations
+
+import torch
+
+from ..models.llama import CausalLM
+from .attention import BatchLayout, make_backend
+from .sampler import sample
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, kv_dtype: torch.dtype, backend: str):
+        a = model.args
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # One tensor per layer in FlashInfer's NHD layout: [num_pages, 2 (K, V), page_size, kv_heads, head_dim].
+        self.kv_caches = [
+            torch.zeros(num_pages, 2, page_size, a.num_kv_heads, a.head_dim, dtype=kv_dtype, device=self.device)
+            for _ in range(a.num_layers)
+        ]
+        self.attention = make_backend(backend, self.kv_caches, a.num_heads, a.num_kv_heads, a.head_dim, page_size)
+
+    @staticmethod
+    def page_bytes(model_args, page_size: int, kv_dtype: torch.dtype) -> int:
+        """Bytes one page costs across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=kv_dtype).element_size()
+        return model_args.num_layers * 2 * page_size * model_args.num_kv_heads * model_args.head_dim * itemsize
+
+    def layout(self, batch: list[tuple[Sequence, int]]) -> tuple[BatchLayout, list[int], list[int]]:
+        """Flat token ids and positions for the scheduled chunks, and where each lands in the cache."""
+        p = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            toks = seq.token_ids
+            ids.extend(toks[start:start + n])
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(seq.pages[pos // p] * p + pos % p)
+        layout = BatchLayout(
+            q_lens=[n for _, n in batch],
+            kv_lens=[seq.num_computed_tokens + n for seq, n in batch],
+            block_tables=[seq.pages for seq, _ in batch],
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            page_size=p,
+        )
+        return layout, ids, positions
+
+    @torch.inference_mode()
+    def execute(self, batch: list[tuple[Sequence, int]], generators: list[torch.Generator | None]) -> list[int]:
+        """Run one step. Returns one sampled token per sequence whose chunk reaches its last token, in order."""
+        layout, ids, positions = self.layout(batch)
+        sampling = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
+        starts = layout.q_starts
+        rows = torch.tensor([starts[i] + batch[i][1] - 1 for i in sampling], dtype=torch.long, device=self.device)
+        self.attention.plan(layout)
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.attention,
+            logit_rows=rows,
+        )
+        if not sampling:
+            return []
+        return sample(logits, [batch[i][0].params for i in sampling], [generators[i] for i in sampling])

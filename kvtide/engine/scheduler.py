@@ -1,0 +1,96 @@
+"""Continuous batching: each step mixes decodes and prefill chunks under a token budget.
+
+Running sequences go first (one token each when decoding, the next chunk when a long prompt is being prefilled),
+then waiting ones are admitted while pages, the token budget and the sequence limit allow. A waiting request is
+admitted only if its pages fit with room left for each running sequence to grow by one page; when a running
+sequence cannot grow, the newest running sequence is preempted (its pages released, recomputed later — cheap,
+since its full pages usually stay in the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    batch: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.batch)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.batch.append((seq, n))
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq)
+            computed = len(hits) * self.bm.page_size
+            n = min(seq.num_tokens - computed, budget)
+            revived = sum(1 for pid in hits if self.bm.ref_count[pid] == 0)  # hits sitting in the free list
+            fresh = max(0, -(-(computed + n) // self.bm.page_size) - len(hits))
+            if revived + fresh + len(self.running) > self.bm.num_free_pages:
+                break
+            self.waiting.popleft()
+            self.bm.admit(seq, hits)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            ok = self.bm.allocate(seq, seq.num_computed_tokens + n)
+            assert ok, "admission check and allocation disagree"
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            plan.batch.append((seq, n))
+            budget -= n
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished (or aborted) sequence from the queues and release its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.release(seq)

@@ -1,0 +1,56 @@
+"""A request's state as the engine sees it: tokens, pages, progress, output text."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # block table: page ids in token order
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
+    num_preemptions: int = 0
+    text: str = ""
+    emitted_chars: int = 0  # of `text`, already handed out by streaming
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    detok: object | None = None
+    generator: object | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival

@@ -1,0 +1,153 @@
+"""A compression profile as a pipeline Transform -> Quantizer -> Codec, built from a spec string.
+
+``Pipeline(spec).encode(kv)`` takes one request's KV, a BF16 tensor [layers, 2, tokens, kv_heads, head_dim]
+(or a dict of such), and returns a self-describing blob (see container.py); ``decode`` inverts it.
+Lossless pipelines (transform and quantizer ``none``) are bit-exact; for the others ``error_bound(blob)``
+states the max abs error, before the final rounding to BF16 (<= 2^-8 |x| more).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from . import codecs, quantizers, transforms  # noqa: F401  (registers the stages)
+from .codecs import Codec
+from .container import Entry, StreamRecord, pack, unpack
+from .errors import ContainerError
+from .quantizers import Quantizer
+from .spec import format_spec, parse_spec
+from .stage import Stream
+from .transforms import Transform
+
+KV = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def _check_kv(x: Any, key: str | None) -> torch.Tensor:
+    where = f"kv[{key!r}]" if key is not None else "kv"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{where} must be bfloat16, got {x.dtype}")
+    if x.dim() != 5 or x.shape[1] != 2 or min(x.shape) < 1:
+        raise ValueError(f"{where} must be [layers, 2, tokens, kv_heads, head_dim] and non-empty, got {tuple(x.shape)}")
+    return x
+
+
+class Pipeline:
+    """One compression profile; cheap to build, stateless between calls."""
+
+    def __init__(self, spec: str, head_scores: torch.Tensor | None = None) -> None:
+        t, q, c = parse_spec(spec)
+        self.transform: Transform = Transform.from_stage(t)
+        self.quantizer: Quantizer = Quantizer.from_stage(q)
+        self.codec: Codec = Codec.from_stage(c)
+        self.head_scores = head_scores
+
+    @classmethod
+    def from_spec(cls, spec: str, head_scores: torch.Tensor | None = None) -> "Pipeline":
+        return cls(spec, head_scores)
+
+    def to_spec(self) -> str:
+        """Canonical spec: parameters in declared order, defaults omitted."""
+        return format_spec((self.transform.to_stage(), self.quantizer.to_stage(), self.codec.to_stage()))
+
+    @property
+    def spec(self) -> str:
+        return self.to_spec()
+
+    @property
+    def lossless(self) -> bool:
+        return self.transform.name == "none" and self.quantizer.name == "none"
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.to_spec()!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pipeline) and other.to_spec() == self.to_spec()
+
+    def __hash__(self) -> int:
+        return hash(self.to_spec())
+
+    # --- encode ----------------------------------------------------------------------------------------------
+    def encode(self, kv: KV, head_scores: torch.Tensor | None = None) -> bytes:
+        scores = head_scores if head_scores is not None else self.head_scores
+        if isinstance(kv, Mapping):
+            if not kv:
+                raise ValueError("kv dict is empty")
+            entries = [self._encode_one(_check_kv(v, str(k)), str(k), scores) for k, v in kv.items()]
+        else:
+            entries = [self._encode_one(_check_kv(kv, None), None, scores)]
+        return pack(self.to_spec(), entries)
+
+    def _encode_one(self, kv: torch.Tensor, key: str | None, scores: torch.Tensor | None) -> Entry:
+        x = kv.detach().to("cpu", torch.float32)
+        y, side = self.transform.encode(x)
+        qs, qmeta = self.quantizer.encode(y, scores)
+        streams = {"t." + k: Stream(np.ascontiguousarray(v)) for k, v in side.items()}
+        streams.update({"q." + k: v for k, v in qs.items()})
+        recs = [StreamRecord(name, s.data.dtype.str, tuple(s.data.shape), s.bits, s.bf16, self.codec.encode(s))
+                for name, s in streams.items()]
+        return Entry(key, tuple(kv.shape), "bfloat16", {"q": qmeta}, recs)
+
+    # --- decode ----------------------------------------------------------------------------------------------
+    def _entries(self, blob: bytes) -> list[Entry]:
+        spec, entries = unpack(blob)
+        if spec != self.to_spec():
+            raise ContainerError(f"blob was encoded with {spec!r}, not {self.to_spec()!r} (use transfer.decode)")
+        return entries
+
+    def _arrays(self, e: Entry) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        t, q = {}, {}
+        for s in e.streams:
+            a = self.codec.decode(s.payload, np.dtype(s.dtype), s.shape, s.bits, s.bf16)
+            (t if s.name.startswith("t.") else q)[s.name[2:]] = a
+        return t, q
+
+    def _decode_one(self, e: Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        try:
+            t, q = self._arrays(e)
+            y, mask = self.quantizer.decode(q, e.meta["q"], e.shape)
+            x = self.transform.decode(y, t)
+        except ContainerError:
+            raise
+        except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as ex:
+            raise ContainerError(f"blob content inconsistent with its spec: {ex}") from ex
+        if tuple(x.shape) != e.shape:
+            raise ContainerError(f"decoded shape {tuple(x.shape)} != recorded {e.shape}")
+        return x.to(torch.bfloat16), mask
+
+    def decode_with_mask(self, blob: bytes) -> tuple[KV, Any]:
+        """Also return the kept-token mask [layers, 2, tokens, kv_heads] (None without pruning): pruned
+        positions decode as zeros and the attention must skip them."""
+        entries = self._entries(blob)
+        outs = [self._decode_one(e) for e in entries]
+        if len(entries) == 1 and entries[0].key is None:
+            return outs[0]
+        return {e.key: o[0] for e, o in zip(entries, outs)}, {e.key: o[1] for e, o in zip(entries, outs)}
+
+    def decode(self, blob: bytes) -> KV:
+        return self.decode_with_mask(blob)[0]
+
+    def error_bound(self, blob: bytes) -> float:
+        """Max abs error of decode (kept positions) against the input, before the final BF16 rounding."""
+        worst = 0.0
+        for e in self._entries(blob):
+            t, q = self._arrays(e)
+            qb = self.quantizer.bound(q, e.meta["q"], e.shape)
+            worst = max(worst, qb * self.transform.gain(e.shape, t) if qb else 0.0)
+        return worst
+
+
+def decode(blob: bytes) -> KV:
+    """Decode any container with the pipeline named inside it."""
+    spec, _ = unpack(blob)
+    return Pipeline(spec).decode(blob)
+
+
+def compressed_ratio(kv: KV, blob: bytes) -> float:
+    """Raw BF16 bytes over blob bytes (container overhead included)."""
+    ts = kv.values() if isinstance(kv, Mapping) else [kv]
+    return sum(math.prod(t.shape) * 2 for t in ts) / len(blob)

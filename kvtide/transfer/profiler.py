@@ -1,0 +1,289 @@
+"""Offline profiler (KVServe section 5.2): search the pipeline space for high-ratio configurations that keep
+quality, and write the 3D Pareto set (quality, ratio, throughput) as a profile table.
+
+Model-agnostic: it calls ``evaluate(spec) -> (ratio, encode_throughput, decode_throughput, quality)``.
+Modes: ``bo`` (constrained GP Bayesian optimisation, Algorithm 1), ``exhaustive``, ``random``.
+BO: configurations embedded one-hot (categorical) + min-max (numeric); two GPs (quality; log ratio);
+acquisition  a(c) = CR(c)/CR_max * P(q >= thr) + lambda0 exp(-decay t) * sigma_q(c)/max sigma_q;
+bi-directional pruning once exploiting (feasible at CR -> drop predicted CR < CR(1-eps); far infeasible at CR
+-> drop predicted CR > CR(1+eps)); early stop after ``patience`` evaluations without a better feasible CR.
+Resumable: every evaluation is appended to ``state_path`` (JSON) and replayed on restart.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .controller import Profile, pareto_front
+from .table import save_profiles
+
+Evaluate = Callable[[str], tuple[float, float, float, float]]
+
+
+@dataclass(frozen=True)
+class Dimension:
+    name: str
+    values: tuple
+    numeric: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.values or len(set(self.values)) != len(self.values):
+            raise ValueError(f"dimension {self.name}: values must be non-empty and distinct")
+        if self.numeric and not all(isinstance(v, (int, float)) for v in self.values):
+            raise ValueError(f"dimension {self.name}: numeric values must be numbers")
+
+
+class SearchSpace:
+    """Cartesian product of dimensions; ``render`` turns a configuration into a pipeline spec."""
+
+    def __init__(self, dims: Sequence[Dimension], render: Callable[[dict[str, Any]], str]) -> None:
+        if len({d.name for d in dims}) != len(dims):
+            raise ValueError("dimension names must be distinct")
+        self.dims = list(dims)
+        self.render = render
+
+    def configs(self) -> list[dict[str, Any]]:
+        return [dict(zip([d.name for d in self.dims], vs)) for vs in itertools.product(*(d.values for d in self.dims))]
+
+    def embed(self, configs: Sequence[dict[str, Any]]) -> np.ndarray:
+        cols = []
+        for d in self.dims:
+            v = [c[d.name] for c in configs]
+            if d.numeric:
+                lo, hi = min(d.values), max(d.values)
+                cols.append(((np.asarray(v, float) - lo) / (hi - lo if hi > lo else 1.0))[:, None])
+            else:
+                cols.append(np.asarray([[float(x == y) for y in d.values] for x in v]))
+        return np.concatenate(cols, 1)
+
+    def signature(self) -> list:
+        return [[d.name, list(d.values), d.numeric] for d in self.dims]
+
+
+def pipeline_space() -> SearchSpace:
+    """Default space over the pipeline grammar (4 transforms x 4 quantizers x 5 widths x 2 groups x 4 codecs)."""
+    def render(c: dict[str, Any]) -> str:
+        b, g = c["bits"], c["group"]
+        q = {"uniform": f"uniform:k={b},v={b},g={g}", "kivi": f"kivi:k={b},v={b},g={g}",
+             "layer": f"layer:b={min(8, b + 2)}/{b}/{max(1, b - 1)},g={g}",
+             "mixhq": f"mixhq:hi={min(8, 2 * b)},lo={max(1, b // 2)},g={g}"}[c["quant"]]
+        return f"{c['transform']}|{q}|{c['codec']}"
+    return SearchSpace([Dimension("transform", ("none", "delta", "hadamard", "affine")),
+                        Dimension("quant", ("uniform", "kivi", "layer", "mixhq")),
+                        Dimension("bits", (2, 3, 4, 6, 8), numeric=True),
+                        Dimension("group", (32, 64), numeric=True),
+                        Dimension("codec", ("pack", "zstd", "lz4:l=3", "ans"))], render)
+
+
+@dataclass
+class Point:
+    spec: str
+    ratio: float
+    encode_throughput: float
+    decode_throughput: float
+    quality: float
+
+    def profile(self) -> Profile:
+        return Profile(self.spec, self.ratio, self.encode_throughput, self.decode_throughput, self.quality)
+
+
+@dataclass
+class ProfilerConfig:
+    quality_threshold: float
+    mode: str = "bo"
+    max_evals: int = 80
+    n_init: int = 6
+    lambda0: float = 1.0
+    decay: float = 0.25
+    prune_eps: float = 0.05
+    infeasible_margin: float = 0.02
+    patience: int = 20
+    refit_every: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("bo", "exhaustive", "random"):
+            raise ValueError(f"mode must be bo, exhaustive or random, got {self.mode!r}")
+        if self.max_evals < 1 or self.n_init < 1 or self.patience < 1 or self.refit_every < 1:
+            raise ValueError("max_evals, n_init, patience and refit_every must be >= 1")
+        if self.lambda0 < 0 or self.decay < 0 or self.prune_eps < 0 or self.infeasible_margin < 0:
+            raise ValueError("lambda0, decay, prune_eps and infeasible_margin must be >= 0")
+
+
+@dataclass
+class ProfilerResult:
+    points: list[Point]
+    best: Point | None  # highest ratio with quality >= threshold
+    evaluations: int  # callback calls in this run (resumed points excluded)
+    stopped: str = ""
+    pareto: list[Profile] = field(default_factory=list)
+
+
+class Profiler:
+    def __init__(self, space: SearchSpace, evaluate: Evaluate, config: ProfilerConfig,
+                 state_path: str | Path | None = None, on_eval: Callable[[int, Point], None] | None = None) -> None:
+        self.space, self.evaluate, self.cfg = space, evaluate, config
+        self.state_path = Path(state_path) if state_path else None
+        self.on_eval = on_eval
+        self.configs = space.configs()
+        self.specs = [space.render(c) for c in self.configs]
+        self.points: dict[int, Point] = {}
+        self.calls = 0
+        self._load()
+
+    # --- state ---------------------------------------------------------------------------------------------
+    def _load(self) -> None:
+        if not self.state_path or not self.state_path.exists():
+            return
+        doc = json.loads(self.state_path.read_text())
+        if doc.get("space") != self.space.signature() or doc.get("threshold") != self.cfg.quality_threshold:
+            raise ValueError(f"{self.state_path}: state is for a different space or quality threshold")
+        index = {s: i for i, s in enumerate(self.specs)}
+        for d in doc["points"]:
+            self.points[index[d["spec"]]] = Point(**d)
+
+    def _save(self) -> None:
+        if not self.state_path:
+            return
+        doc = {"space": self.space.signature(), "threshold": self.cfg.quality_threshold,
+               "points": [asdict(p) for p in self.points.values()]}
+        tmp = self.state_path.with_suffix(self.state_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.state_path)
+
+    def _eval(self, i: int) -> Point:
+        if i not in self.points:
+            r, e, d, q = self.evaluate(self.specs[i])
+            self.points[i] = Point(self.specs[i], float(r), float(e), float(d), float(q))
+            self.calls += 1
+            self._save()
+            if self.on_eval:
+                self.on_eval(self.calls, self.points[i])
+        return self.points[i]
+
+    def _best(self) -> Point | None:
+        ok = [p for p in self.points.values() if p.quality >= self.cfg.quality_threshold]
+        return max(ok, key=lambda p: p.ratio) if ok else None
+
+    # --- search --------------------------------------------------------------------------------------------
+    def run(self) -> ProfilerResult:
+        n = len(self.configs)
+        rng = random.Random(self.cfg.seed)
+        if self.cfg.mode == "exhaustive":
+            for i in range(n):
+                self._eval(i)
+            stopped = "exhausted"
+        elif self.cfg.mode == "random":
+            order = list(range(n))
+            rng.shuffle(order)
+            for i in order[: self.cfg.max_evals]:
+                self._eval(i)
+            stopped = "budget"
+        else:
+            stopped = self._bo(rng)
+        return self.result(stopped)
+
+    def result(self, stopped: str = "") -> ProfilerResult:
+        feas = [p.profile() for p in self.points.values() if p.quality >= self.cfg.quality_threshold]
+        return ProfilerResult(list(self.points.values()), self._best(), self.calls, stopped, pareto_front(feas))
+
+    def _bo(self, rng: random.Random) -> str:
+        from botorch.fit import fit_gpytorch_mll
+        from botorch.models import SingleTaskGP
+        from botorch.models.transforms import Standardize
+        from gpytorch.mlls import ExactMarginalLogLikelihood
+
+        cfg, n = self.cfg, len(self.configs)
+        X = torch.tensor(self.space.embed(self.configs), dtype=torch.double)
+        alive = np.ones(n, bool)
+        for i in self.points:
+            alive[i] = False
+        init = [i for i in rng.sample(range(n), n) if alive[i]][: max(0, cfg.n_init - len(self.points))]
+        for i in init:
+            self._eval(i)
+            alive[i] = False
+        hyper: dict[str, dict] = {}
+        best, fails, t = self._best(), 0, 0
+        while len(self.points) < cfg.max_evals:
+            if not alive.any():
+                return "exhausted"
+            t += 1
+            idx = list(self.points)
+            Xe = X[idx]
+            yq = torch.tensor([[self.points[i].quality] for i in idx], dtype=torch.double)
+            yc = torch.tensor([[math.log(max(self.points[i].ratio, 1e-9))] for i in idx], dtype=torch.double)
+            post = {}
+            for key, y in (("q", yq), ("c", yc)):
+                gp = SingleTaskGP(Xe, y, outcome_transform=Standardize(m=1))
+                if key in hyper and t % cfg.refit_every:
+                    gp.covar_module.load_state_dict(hyper[key]["covar"])
+                    gp.likelihood.load_state_dict(hyper[key]["lik"])
+                    gp.mean_module.load_state_dict(hyper[key]["mean"])
+                else:
+                    try:
+                        fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp),
+                                         optimizer_kwargs={"options": {"maxiter": 60}})
+                    except Exception:  # noqa: BLE001 - a failed fit keeps default hyperparameters
+                        pass
+                    hyper[key] = {"covar": gp.covar_module.state_dict(), "lik": gp.likelihood.state_dict(),
+                                  "mean": gp.mean_module.state_dict()}
+                gp.eval()
+                with torch.no_grad():
+                    p = gp.posterior(X)
+                    post[key] = (p.mean.squeeze(-1).numpy(), p.variance.clamp_min(1e-12).sqrt().squeeze(-1).numpy())
+            mq, sq = post["q"]
+            cr = np.exp(post["c"][0])
+            pfeas = 0.5 * (1 + np.vectorize(math.erf)((mq - cfg.quality_threshold) / (sq * math.sqrt(2))))
+            lam = cfg.lambda0 * math.exp(-cfg.decay * t)
+            a = cr[alive] / cr[alive].max() * pfeas[alive] + lam * sq[alive] / max(sq[alive].max(), 1e-12)
+            c = int(np.flatnonzero(alive)[int(np.argmax(a))])
+            pt = self._eval(c)
+            alive[c] = False
+            if lam < 0.1:  # exploiting: bi-directional pruning on the predicted ratio
+                if pt.quality >= cfg.quality_threshold:
+                    alive &= ~(cr < pt.ratio * (1 - cfg.prune_eps))
+                elif pt.quality < cfg.quality_threshold - cfg.infeasible_margin:
+                    alive &= ~(cr > pt.ratio * (1 + cfg.prune_eps))
+            nb = self._best()
+            if nb is not None and (best is None or nb.ratio > best.ratio):
+                best, fails = nb, 0
+            else:
+                fails += 1
+                if fails >= cfg.patience:
+                    return "early-stop"
+        return "budget"
+
+    def write_table(self, path: str | Path, workload: str = "", **info: Any) -> list[Profile]:
+        """Write the Pareto set of the feasible evaluated points as a profile table; return it."""
+        res = self.result()
+        save_profiles(path, res.pareto, workload=workload, quality_threshold=self.cfg.quality_threshold,
+                      evaluated=len(self.points), written=time.strftime("%Y-%m-%dT%H:%M:%S"), **info)
+        return res.pareto
+
+
+def measure(spec: str, kv: torch.Tensor, head_scores: torch.Tensor | None = None,
+            repeats: int = 3) -> tuple[float, float, float]:
+    """(ratio, encode bytes/s, decode bytes/s) of a pipeline on one request's KV; best of ``repeats``."""
+    from .pipeline import Pipeline
+    p = Pipeline(spec, head_scores)
+    raw = kv.numel() * kv.element_size()
+    enc = dec = math.inf
+    blob = b""
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        blob = p.encode(kv)
+        t1 = time.perf_counter()
+        p.decode(blob)
+        t2 = time.perf_counter()
+        enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
+    return raw / len(blob), raw / max(enc, 1e-9), raw / max(dec, 1e-9)

@@ -1,0 +1,124 @@
+"""Transforms: invertible reshaping of KV values before quantisation.
+
+All work on float32 tensors shaped [layers, 2, tokens, kv_heads, head_dim]. ``gain`` bounds how much an
+error in the transformed domain (max abs) can grow through ``decode`` (max abs), so the pipeline can state
+an error bound for the whole chain.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from .errors import SpecError
+from .stage import Stage, check_int, register
+
+Side = dict[str, np.ndarray]
+
+
+class Transform(Stage):
+    registry: ClassVar[dict[str, type]] = {}
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
+        raise NotImplementedError
+
+    def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gain(self, shape: tuple[int, ...], side: Side) -> float:
+        return 1.0
+
+
+@register(Transform)
+@dataclass(frozen=True)
+class Bypass(Transform):
+    name: ClassVar[str] = "none"
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
+        return x, {}
+
+    def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
+        return y
+
+
+@register(Transform)
+@dataclass(frozen=True)
+class Delta(Transform):
+    """Token-wise delta against an anchor every ``a`` tokens (CacheGen): errors never accumulate past one step."""
+
+    name: ClassVar[str] = "delta"
+    a: int = 16
+
+    def __post_init__(self) -> None:
+        check_int("delta anchor interval a", self.a, 1, 1 << 20)
+
+    def _anchor(self, x: torch.Tensor) -> torch.Tensor:
+        idx = (torch.arange(x.shape[2]) // self.a) * self.a
+        return x[:, :, idx]
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
+        y = x - self._anchor(x)
+        y[:, :, :: self.a] = x[:, :, :: self.a]
+        return y, {}
+
+    def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
+        x = y + self._anchor(y)
+        x[:, :, :: self.a] = y[:, :, :: self.a]
+        return x
+
+    def gain(self, shape: tuple[int, ...], side: Side) -> float:
+        return 2.0  # anchor error + delta error
+
+
+@lru_cache(maxsize=8)
+def _hadamard(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+@register(Transform)
+@dataclass(frozen=True)
+class Hadamard(Transform):
+    """Orthonormal Hadamard rotation along head_dim (QuaRot): spreads outlier channels before quantising."""
+
+    name: ClassVar[str] = "hadamard"
+
+    def _h(self, d: int) -> torch.Tensor:
+        if d & (d - 1):
+            raise SpecError(f"hadamard needs a power-of-two head_dim, got {d}")
+        return _hadamard(d)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
+        return x @ self._h(x.shape[-1]), {}
+
+    def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
+        return y @ self._h(y.shape[-1])  # symmetric and orthogonal: its own inverse
+
+    def gain(self, shape: tuple[int, ...], side: Side) -> float:
+        return math.sqrt(shape[-1]) * (1 + 1e-5)
+
+
+@register(Transform)
+@dataclass(frozen=True)
+class Affine(Transform):
+    """Per-channel standardisation over tokens (SmoothQuant-like): equalises channel ranges for per-token quantisers."""
+
+    name: ClassVar[str] = "affine"
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
+        mu = x.mean(dim=2, keepdim=True)
+        sd = x.std(dim=2, keepdim=True, correction=0) if x.shape[2] > 1 else torch.ones_like(mu)
+        sd = torch.where(sd > 1e-12, sd, torch.ones_like(sd))
+        return (x - mu) / sd, {"mu": mu.numpy(), "sd": sd.numpy()}
+
+    def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
+        return y * torch.from_numpy(side["sd"]) + torch.from_numpy(side["mu"])
+
+    def gain(self, shape: tuple[int, ...], side: Side) -> float:
+        return float(np.max(side["sd"])) * (1 + 1e-5) if side["sd"].size else 1.0
