@@ -102,7 +102,11 @@ def replay_times(fn: ReplayTime, tokens: Sequence[int] | np.ndarray) -> np.ndarr
     t = np.asarray(tokens, dtype=np.int64)
     if t.size == 0:
         return np.zeros(0)
-    uniq, inv = np.unique(t, return_inverse=True)
+    flat = t.ravel()
+    if flat.size == 1 or bool(np.all(flat[1:] > flat[:-1])):
+        uniq, inv = flat, None  # already strictly increasing (the planner's grid): skip the sort
+    else:
+        uniq, inv = np.unique(flat, return_inverse=True)
     if getattr(fn, "vectorized", False):
         vals = np.asarray(fn(uniq), dtype=np.float64).reshape(uniq.shape)
     else:
@@ -110,15 +114,17 @@ def replay_times(fn: ReplayTime, tokens: Sequence[int] | np.ndarray) -> np.ndarr
     if not np.all(np.isfinite(vals)) or np.any(vals < 0):
         raise ValueError("replay_time must return finite values >= 0")
     if uniq.size > 1:
-        drop = np.diff(vals)
-        scale = max(float(vals.max()), 1e-300)
-        if np.any(drop < -1e-9 * scale):
-            i = int(np.argmin(drop))
-            raise ValueError(
-                f"replay_time must be nondecreasing: F({uniq[i]})={vals[i]!r} > F({uniq[i + 1]})={vals[i + 1]!r}"
-            )
-        vals = np.maximum.accumulate(vals)
-    return vals[inv].reshape(t.shape)
+        drop = vals[1:] - vals[:-1]
+        if np.any(drop < 0):
+            scale = max(float(vals.max()), 1e-300)
+            if np.any(drop < -1e-9 * scale):
+                i = int(np.argmin(drop))
+                raise ValueError(
+                    f"replay_time must be nondecreasing: F({uniq[i]})={vals[i]!r} > F({uniq[i + 1]})={vals[i + 1]!r}"
+                )
+            vals = np.maximum.accumulate(vals)
+    out = vals if inv is None else vals[inv.ravel()]
+    return out.reshape(t.shape)
 
 
 @dataclass(frozen=True)
@@ -151,25 +157,62 @@ class StaircaseCost:
 
 def validate_staircase(
     requests: Sequence[RestoreRequest], boundaries: Sequence[Sequence[int]], num_blocks: int, chunk: int | None
-) -> list[list[int]]:
-    """Check shape, order and grid of a staircase; returns it as plain int lists."""
+) -> np.ndarray:
+    """Check shape, order and grid of a staircase; returns it as an int64 array [request, block]."""
     if len(boundaries) != len(requests):
         raise ValueError(f"need one boundary list per request: {len(boundaries)} != {len(requests)}")
-    out: list[list[int]] = []
-    for r, (req, js) in enumerate(zip(requests, boundaries)):
-        js = [_as_int("boundary", j) for j in js]
-        n = req.cached_tokens
+    for r, js in enumerate(boundaries):
         if len(js) != num_blocks:
             raise ValueError(f"request {r}: need {num_blocks} boundaries, got {len(js)}")
-        for i, j in enumerate(js):
-            if not 0 <= j <= n:
-                raise ValueError(f"request {r} block {i}: boundary {j} outside [0, {n}]")
-            if chunk is not None and j != n and j % chunk:
-                raise ValueError(f"request {r} block {i}: boundary {j} not on the {chunk}-token grid nor = N")
-            if i and j > js[i - 1]:
-                raise ValueError(f"request {r}: boundaries must be non-increasing in the block index, got {js}")
-        out.append(js)
-    return out
+    J = np.asarray(boundaries, dtype=np.int64).reshape(len(requests), num_blocks)
+    if not np.array_equal(J, np.asarray(boundaries, dtype=np.float64).reshape(J.shape)):
+        raise TypeError("boundaries must be integers")
+    N = np.array([r.cached_tokens for r in requests], dtype=np.int64)[:, None]
+    bad = (J < 0) | (J > N)
+    if chunk is not None:
+        bad |= (J != N) & (J % chunk != 0)
+    if bad.any():
+        r, i = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"request {r} block {i}: boundary {J[r, i]} must be in [0, {N[r, 0]}] and on the "
+            f"{chunk}-token grid or equal to N"
+        )
+    if num_blocks > 1 and np.any(J[:, 1:] > J[:, :-1]):
+        r = int(np.argwhere(np.any(J[:, 1:] > J[:, :-1], 1))[0, 0])
+        raise ValueError(f"request {r}: boundaries must be non-increasing in the block index, got {J[r].tolist()}")
+    return J
+
+
+def price_staircase(
+    N: np.ndarray, J: np.ndarray, FJ: np.ndarray, sigma: np.ndarray, cost: BlockCost, bandwidth: float
+) -> StaircaseCost:
+    """Objective parts from arrays: N [r], boundaries J and their F values FJ [r, block], sigma [r]."""
+    s, R = cost.kv_bytes_per_token, cost.state_bytes
+    Nc = N[:, None]
+    P_r = FJ.sum(1)
+    Q_r = (s * (Nc - J) + R * (J < Nc)).sum(1)
+    rec_tok = J.sum(1)
+    load_tok = (Nc - J).sum(1)
+    per = tuple(
+        RequestCost(
+            recompute_seconds=float(P_r[i]),
+            load_bytes=float(Q_r[i]),
+            load_seconds=float(Q_r[i]) / bandwidth,
+            suffix_seconds_per_block=float(sigma[i]),
+            recomputed_tokens=int(rec_tok[i]),
+            loaded_tokens=int(load_tok[i]),
+        )
+        for i in range(N.size)
+    )
+    P, Q, sig = float(P_r.sum()), float(Q_r.sum()), float(sigma.sum())
+    return StaircaseCost(
+        compute_seconds=P + cost.num_blocks * sig,
+        load_seconds=Q / bandwidth + sig,
+        recompute_seconds=P,
+        load_bytes=Q,
+        suffix_seconds_per_block=sig,
+        per_request=per,
+    )
 
 
 def evaluate_staircase(
@@ -181,40 +224,11 @@ def evaluate_staircase(
 ) -> StaircaseCost:
     """Price any staircase under the planner's model (used by the planner itself, baselines and tests)."""
     bandwidth = _as_pos_float("bandwidth", bandwidth)
-    js = validate_staircase(requests, boundaries, cost.num_blocks, chunk)
-    pts: list[int] = []
-    for req, row in zip(requests, js):
-        pts.extend(row)
-        pts.append(req.cached_tokens)
-        pts.append(req.cached_tokens + req.suffix_tokens)
-    vals = replay_times(cost.replay_time, pts)
-    k = 0
-    per: list[RequestCost] = []
-    for req, row in zip(requests, js):
-        L = len(row)
-        p = float(vals[k : k + L].sum())
-        sigma = float(vals[k + L + 1] - vals[k + L])
-        k += L + 2
-        q = sum(cost.transfer_bytes(req.cached_tokens, j) for j in row)
-        per.append(
-            RequestCost(
-                recompute_seconds=p,
-                load_bytes=q,
-                load_seconds=q / bandwidth,
-                suffix_seconds_per_block=sigma,
-                recomputed_tokens=sum(row),
-                loaded_tokens=sum(req.cached_tokens - j for j in row),
-            )
-        )
-    P = sum(x.recompute_seconds for x in per)
-    Q = sum(x.load_bytes for x in per)
-    sig = sum(x.suffix_seconds_per_block for x in per)
-    L = cost.num_blocks
-    return StaircaseCost(
-        compute_seconds=P + L * sig,
-        load_seconds=Q / bandwidth + sig,
-        recompute_seconds=P,
-        load_bytes=Q,
-        suffix_seconds_per_block=sig,
-        per_request=tuple(per),
-    )
+    J = validate_staircase(requests, boundaries, cost.num_blocks, chunk)
+    N = np.array([r.cached_tokens for r in requests], dtype=np.int64)
+    Ns = np.array([r.suffix_tokens for r in requests], dtype=np.int64)
+    vals = replay_times(cost.replay_time, np.concatenate([J.ravel(), N, N + Ns]))
+    n = J.size
+    FJ = vals[:n].reshape(J.shape)
+    sigma = vals[n + N.size :] - vals[n : n + N.size]
+    return price_staircase(N, J, FJ, sigma, cost, bandwidth)

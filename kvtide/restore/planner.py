@@ -31,7 +31,6 @@ staircase on the chunk grid. With only R rounded (tau divides every N_r) this is
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -47,6 +46,7 @@ from kvtide.restore.costs import (
     _as_int,
     _as_pos_float,
     evaluate_staircase,
+    price_staircase,
     replay_times,
 )
 
@@ -151,17 +151,19 @@ def plan(
     s, R = cost.kv_bytes_per_token, cost.state_bytes
     kmax = int(-(-N.max() // C))
     grid_tokens = np.minimum(np.arange(kmax + 1, dtype=np.int64) * C, N.max())
-    allf = replay_times(cost.replay_time, np.concatenate([grid_tokens, N, N + Ns]))
-    f_grid = allf[: kmax + 1]
-    fN = allf[kmax + 1 : kmax + 1 + len(N)]
-    fNs = allf[kmax + 1 + len(N) :]
-    sig = float((fNs - fN).sum())
+    f_grid = replay_times(cost.replay_time, grid_tokens)
+    ends = replay_times(cost.replay_time, np.concatenate([N, N + Ns]))
+    fN, fNs = ends[: N.size], ends[N.size :]
+    if np.any(fNs < fN):
+        raise ValueError("replay_time must be nondecreasing (F(N + Ns) < F(N))")
+    sigma = fNs - fN
+    sig = float(sigma.sum())
     A0 = float(L * (s * N + R * (N > 0)).sum())
     st = _Setup(N=N, L=L, s=s, R=R, B=B, C=C, c1=L * sig, c2=sig, A0=A0)
 
-    use_fast = method == "fast" or (method == "auto" and _fast_applies(st, f_grid))
-    if use_fast:
-        if not _fast_applies(st, f_grid):
+    fast_ok = method != "dp" and _fast_applies(st, f_grid)
+    if method == "fast" or (method == "auto" and fast_ok):
+        if not fast_ok:
             raise ValueError("method='fast' needs R == 0, N_r % chunk == 0 and F convex on the grid for t > 0")
         counts = _solve_fast(st, f_grid)
         bound = 0.0
@@ -169,12 +171,12 @@ def plan(
     else:
         counts, bound = _solve_dp(st, f_grid, fN, max_dp_work)
         name = "dp"
-    boundaries = [
-        sorted((min(int(c) * C, int(n)) for c in row), reverse=True) for row, n in zip(counts, N.tolist())
-    ]
-    ev = evaluate_staircase(requests, boundaries, cost, B, C)
+    cnt = -np.sort(-np.asarray(counts, dtype=np.int64).reshape(len(requests), L), axis=1)
+    J = np.minimum(cnt * C, N[:, None])
+    FJ = np.where(J == N[:, None], fN[:, None], f_grid[np.minimum(cnt, kmax)])
+    ev = price_staircase(N, J, FJ, sigma, cost, B)
     return Plan.from_cost(
-        boundaries,
+        J.tolist(),
         ev,
         method=name,
         exact=bound == 0.0,
@@ -188,85 +190,95 @@ def plan(
 
 
 def _fast_applies(st: _Setup, f: np.ndarray) -> bool:
-    if st.R != 0.0 or np.any(st.N % st.C):
+    if st.R != 0.0 or (st.N % st.C).any():
         return False
     h = f[1:]
     if h.size < 3:
         return True
-    d2 = np.diff(h, 2)
-    return bool(np.all(d2 >= -1e-12 * max(float(h[-1]), 1e-300)))
+    d2 = h[2:] - 2 * h[1:-1] + h[:-2]
+    return bool((d2 >= -1e-12 * max(float(h[-1]), 1e-300)).all())
 
 
 def _solve_fast(st: _Setup, f: np.ndarray) -> list[list[int]]:
-    """Exact for setup-convex f: min over k (blocks that recompute) of a convex water-filling problem."""
+    """Exact for setup-convex f: min over k (blocks that recompute) of a convex water-filling problem.
+
+    Items are grouped by cap K_r = N_r / C (largest first); for k on-blocks the on-set is the first k items.
+    At level q every on-block holds 1 + min(K_g - 1, q) chunks; between levels q-1 and q the least
+    recompute rises linearly (dh[q-1] per avoided chunk), so each k's optimum is at the level where
+    compute overtakes load, refined to the best integer point inside that segment.
+    """
     L, C = st.L, st.C
     K = (st.N // C).astype(np.int64)
-    order = np.argsort(-K, kind="stable")
-    Kg = K[order]
-    on_groups = int((Kg > 0).sum())
-    if on_groups == 0:
+    caps, counts_per_cap = np.unique(K[K > 0], return_counts=True)
+    if caps.size == 0:
         return [[0] * L for _ in st.N]
-    capp = Kg[:on_groups] - 1  # shifted caps: an on-block holds 1 + min(capp, level) chunks
+    caps, sizes = caps[::-1], counts_per_cap[::-1] * L  # largest caps first
+    capp = caps - 1
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     h = f[1:]  # h[c'] = F((c'+1) C)
-    dh = np.diff(h)
-    S_B = st.s * C / st.B  # seconds of load per avoided chunk unit
-    ks = np.arange(on_groups * L + 1, dtype=np.int64)
-    m = np.clip(ks[:, None] - np.arange(on_groups)[None, :] * L, 0, L)  # on-blocks per group, [k, g]
+    dh = np.diff(h) if h.size > 1 else np.zeros(1)
+    unit_s = st.s * C / st.B  # seconds of load per avoided chunk
+    ks = np.arange(int(sizes.sum()) + 1, dtype=np.int64)
+    m = np.minimum(np.maximum(ks[:, None] - starts[None, :], 0), sizes[None, :]).astype(np.float64)  # [k, g]
     qtop = int(capp[0])
+    kf = ks.astype(np.float64)
 
-    def level(q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        lev = np.minimum(capp[None, :], q[:, None])
-        X = ks + (m * lev).sum(1)
-        comp = (m * h[lev]).sum(1) + st.c1
-        load = (st.A0 - st.s * C * X) / st.B + st.c2
-        return X, comp, load
-
-    lo = np.zeros_like(ks)
-    hi = np.full_like(ks, qtop + 1)
-    while True:
-        act = lo < hi
-        if not act.any():
-            break
-        mid = (lo + hi) // 2
-        _, comp, load = level(np.minimum(mid, qtop))
-        ok = comp >= load
-        hi = np.where(act & ok, mid, hi)
-        lo = np.where(act & ~ok, mid + 1, lo)
-    qs = lo  # first level where compute >= load (qtop + 1: never)
-    base = np.clip(qs - 1, 0, qtop)
-    X0, comp0, load0 = level(base)
-    inner = (qs >= 1) & (qs <= qtop)
-    seg = (m * (capp[None, :] >= np.minimum(qs, qtop)[:, None])).sum(1)
-    slope_c = np.where(inner, dh[np.clip(base, 0, max(len(dh) - 1, 0))] if len(dh) else 0.0, 0.0)
+    # Crossing level per k: compute >= load  <=>  Psi_k(q) = sum_g m_kg psi(min(capp_g, q)) >= rhs_k with
+    # psi(q) = h(q) + u q strictly increasing, so one searchsorted per k inside the right cap interval.
+    psi = h + unit_s * np.arange(h.size)
+    rhs = st.A0 / st.B + st.c2 - st.c1 - unit_s * kf
+    ng = capp.size
+    at_caps = psi[np.minimum(capp[:, None], capp[None, :])]  # [g, j]: psi(min(capp_g, capp_j))
+    Psi_caps = (m[:, :, None] * at_caps[None, :, :]).sum(1)  # [k, j]
+    ok = Psi_caps >= rhs[:, None] - 1e-12 * np.abs(rhs[:, None])
+    # intervals in increasing q: j = ng-1 covers [0, capp_{ng-1}], j < ng-1 covers [capp_{j+1}+1, capp_j]
+    first = np.where(ok[:, 0], ng - 1 - ok[:, ::-1].argmax(1), -1)  # ok is monotone: ok[:, 0] = any
+    j = np.maximum(first, 0)
+    lo_j = np.where(j == ng - 1, 0, capp[np.minimum(j + 1, ng - 1)] + 1)
+    free = np.cumsum(m, 1)[ks, j]  # on-blocks still below their cap in interval j
+    sat_all = np.cumsum((m * psi[capp][None, :])[:, ::-1], 1)[:, ::-1]  # [k, g]: sum_{g' >= g}
+    sat = np.where(j + 1 < ng, sat_all[ks, np.minimum(j + 1, ng - 1)], 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        tstar = np.where(inner, (load0 - comp0) / (slope_c + S_B), 0.0)
-    t_lo = np.clip(np.floor(tstar), 0, np.where(inner, seg, 0))
-    t_hi = np.clip(np.ceil(tstar), 0, np.where(inner, seg, 0))
+        target = np.where(free > 0, (rhs - sat) / free, -np.inf)
+    q_in = np.minimum(np.maximum(np.searchsorted(psi, target, side="left"), lo_j), capp[j])
+    qs = np.where(first >= 0, q_in, qtop + 1)
 
-    def obj(t: np.ndarray) -> np.ndarray:
-        return np.maximum(comp0 + t * slope_c, load0 - t * S_B)
-
-    T_lo, T_hi = obj(t_lo), obj(t_hi)
-    t_best = np.where(T_hi < T_lo, t_hi, t_lo).astype(np.int64)
-    T = np.minimum(T_lo, T_hi)
+    # Refine inside the segment below the crossing (and its neighbours, against rounding at the boundary);
+    # rows are the three candidate base levels, columns k.
+    base = np.minimum(np.maximum(qs[None, :] - np.array([[2], [1], [0]]), 0), qtop)
+    lv = np.minimum(capp[None, None, :], base[:, :, None])
+    X0 = kf + (m[None] * lv).sum(2)
+    comp0 = (m[None] * h[lv]).sum(2) + st.c1
+    load0 = (st.A0 - st.s * C * X0) / st.B + st.c2
+    seg = (m[None] * (capp[None, None, :] > base[:, :, None])).sum(2)
+    slope = np.where(seg > 0, dh[np.minimum(base, dh.size - 1)], 0.0)
+    tstar = np.maximum(load0 - comp0, 0.0) / (slope + unit_s)
+    tt = np.minimum(np.concatenate([np.floor(tstar), np.ceil(tstar)]), np.concatenate([seg, seg]))
+    slope2, comp2, load2 = (np.concatenate([x, x]) for x in (slope, comp0, load0))
+    Tt = np.maximum(comp2 + tt * slope2, load2 - tt * unit_s)  # [6, k]
+    pick = Tt.argmin(0)
+    T = Tt[pick, ks]
+    best_base = np.concatenate([base, base])[pick, ks]
+    best_t = tt[pick, ks].astype(np.int64)
     kb = int(np.argmin(T))
-    q, extra = int(base[kb]), int(t_best[kb])
+    q = int(best_base[kb])
+    extra = int(best_t[kb])
 
-    counts = np.zeros((len(st.N), L), dtype=np.int64)
+    # Hand the chosen multiset back to requests: on-blocks go to the largest caps first.
+    out = np.zeros((len(st.N), L), dtype=np.int64)
     left = kb
-    for g in range(on_groups):
-        r = int(order[g])
+    for r in np.argsort(-K, kind="stable"):
+        if left == 0 or K[r] == 0:
+            break
         n_on = min(L, left)
         left -= n_on
-        cg = int(capp[g])
-        vals = np.zeros(L, dtype=np.int64)
-        vals[:n_on] = 1 + min(cg, q)
+        cg = int(K[r]) - 1
+        out[r, :n_on] = 1 + min(cg, q)
         if cg > q and extra:
             add = min(extra, n_on)
-            vals[:add] += 1
+            out[r, :add] += 1
             extra -= add
-        counts[r] = vals
-    return counts.tolist()
+    return out.tolist()
 
 
 # ------------------------------------------------------------------------------------------------ the DP
@@ -302,7 +314,8 @@ def _solve_dp(st: _Setup, f: np.ndarray, fN: np.ndarray, max_work: int) -> tuple
         return total
 
     # Exact units first; coarser whole-chunk units only when the DP would be too slow (bound accounts for it).
-    for unit_tokens in [tau] + [C << i for i in range(48)]:
+    top = max(int(st.N.max()), C)
+    for unit_tokens in [tau] + [C << i for i in range(48) if (C << i) <= 2 * top]:
         us = units_for(s * unit_tokens)
         if work(us) <= max_work:
             break
@@ -311,6 +324,7 @@ def _solve_dp(st: _Setup, f: np.ndarray, fN: np.ndarray, max_work: int) -> tuple
     bound = 0.0
     for (tok, cost, a), u in zip(grids, us):
         e = u * unit_bytes - a
+        e[np.abs(e) <= 1e-9 * float(a.max(initial=s))] = 0.0  # float noise of s*j, not a model rounding
         bound += L * (max(float(e.max()), 0.0) + max(float(-e.min()), 0.0)) / st.B
 
     D = np.zeros(1)

@@ -1,0 +1,50 @@
+"""KV tiers keyed by prefix-chunk hash: memory (LRU), disk (persistent), Redis (shared), link emulation."""
+
+from kvtide.store.bandwidth import BandwidthLimitedStore, TokenBucket, gbps
+from kvtide.store.base import (
+    ChunkCorrupt,
+    ChunkMissing,
+    ChunkTruncated,
+    Entry,
+    KVStore,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    TokenMismatch,
+    decode_record,
+    encode_record,
+)
+from kvtide.store.disk import DiskStore
+from kvtide.store.keys import ChunkKey, KeySpace, chunk_keys, chunk_tokens
+from kvtide.store.memory import MemoryStore
+
+__all__ = [
+    "BandwidthLimitedStore",
+    "ChunkCorrupt",
+    "ChunkKey",
+    "ChunkMissing",
+    "ChunkTruncated",
+    "DiskStore",
+    "Entry",
+    "KVStore",
+    "KeySpace",
+    "MemoryStore",
+    "StoreError",
+    "StoreStats",
+    "StoreUnavailable",
+    "TokenBucket",
+    "TokenMismatch",
+    "chunk_keys",
+    "chunk_tokens",
+    "decode_record",
+    "encode_record",
+    "gbps",
+]
+
+
+def __getattr__(name: str):  # RedisStore imports the optional `redis` client only when asked for
+    if name == "RedisStore":
+        from kvtide.store.redis_store import RedisStore
+
+        return RedisStore
+    raise AttributeError(name)

@@ -1,0 +1,337 @@
+"""Store interface, errors, counters and the record format of one (chunk, layer) KV entry.
+
+Granularity: one entry per (chunk, layer block), not one record per chunk with per-layer offsets. A plan
+loads layers [i, L) of chunk c, and separate entries make that a plain GET on every tier (memory, file,
+Redis) with no ranged-read support needed; each entry has its own checksum, so a corrupt layer costs a
+recompute of that layer's tokens only; entries can be written as soon as each layer's KV exists; and the
+Redis tier can fetch many with one MGET. The price is L small headers (~150 B against >= 12 KiB of KV).
+
+Record format, version 1 (all little endian)::
+
+    0   4  magic  b"KVTR"
+    4   2  version (u16) = 1
+    6   2  flags (u16) = 0, reserved
+    8   4  meta_len (u32)
+    12  8  body_len (u64)              = 4 * num_tokens + payload bytes
+    20  16 blake2b-128 of meta || body
+    36  meta: UTF-8 JSON {"key", "layer", "dtype", "shape", "num_tokens", "byteorder"}
+        body: token ids (u32) then the KV tensor's raw bytes (C order), e.g. [2, tokens, kv_heads, head_dim] BF16
+
+A short read is ``ChunkTruncated``; bad magic/version/length/digest/shape is ``ChunkCorrupt``; token ids
+that differ from the caller's is ``TokenMismatch``; an absent entry ``ChunkMissing``; a tier that cannot
+be reached ``StoreUnavailable``. All are ``StoreError``: the caller recomputes what it could not load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from kvtide.store.keys import ChunkKey, token_bytes
+
+RECORD_MAGIC = b"KVTR"
+RECORD_VERSION = 1
+_HEADER = struct.Struct("<4sHHIQ16s")
+HEADER_BYTES = _HEADER.size  # 36
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class StoreError(Exception):
+    """Any failure to produce a verified entry; callers fall back to recompute."""
+
+    def __init__(self, message: str, name: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class ChunkMissing(StoreError):
+    """The entry is not in this store."""
+
+
+class ChunkCorrupt(StoreError):
+    """The entry exists but fails a check (magic, version, length, checksum, shape, key)."""
+
+
+class ChunkTruncated(ChunkCorrupt):
+    """The entry is shorter than its header says."""
+
+
+class TokenMismatch(ChunkCorrupt):
+    """The entry is intact but holds other token ids than the caller's prefix (collision or mix-up)."""
+
+
+class StoreUnavailable(StoreError):
+    """The tier cannot be reached (server down, disk unreadable)."""
+
+
+@dataclass
+class StoreStats:
+    """Counters of what a store did; every fallback cause is counted separately."""
+
+    puts: int = 0
+    put_failures: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    truncated: int = 0
+    token_mismatch: int = 0
+    unavailable: int = 0
+    evictions: int = 0
+    rejected: int = 0  # entries larger than the whole store
+    bytes_written: int = 0
+    bytes_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @property
+    def fallbacks(self) -> int:
+        return self.misses + self.corrupt + self.truncated + self.token_mismatch + self.unavailable
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A verified entry: the KV tensor and the record's size on the wire."""
+
+    tensor: torch.Tensor
+    nbytes: int
+
+
+def _digest(meta: bytes, body: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(meta)
+    h.update(body)
+    return h.digest()
+
+
+def encode_record(key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor) -> bytes:
+    """Serialise one (chunk, layer) entry."""
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported KV dtype {kv.dtype}; one of {sorted(DTYPES)}")
+    tok = token_bytes(tokens)
+    n_tok = len(tok) // 4
+    if kv.dim() < 2 or kv.shape[0] != 2 or kv.shape[1] != n_tok:
+        raise ValueError(f"kv must be [2, {n_tok} tokens, ...] (K and V), got {list(kv.shape)}")
+    payload = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    meta = json.dumps(
+        {
+            "key": key.hex,
+            "layer": int(layer),
+            "dtype": _DTYPE_NAMES[kv.dtype],
+            "shape": list(kv.shape),
+            "num_tokens": n_tok,
+            "byteorder": sys.byteorder,
+        },
+        separators=(",", ":"),
+    ).encode()
+    body = tok + payload
+    head = _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, 0, len(meta), len(body), _digest(meta, body))
+    return head + meta + body
+
+
+def decode_record(
+    blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, name: str = ""
+) -> torch.Tensor:
+    """Verify and deserialise an entry; raises the specific ``StoreError`` for each failed check."""
+    if len(blob) < HEADER_BYTES:
+        raise ChunkTruncated(f"{name}: {len(blob)} bytes, shorter than the {HEADER_BYTES}-byte header", name)
+    magic, version, _flags, meta_len, body_len, digest = _HEADER.unpack_from(blob)
+    if magic != RECORD_MAGIC:
+        raise ChunkCorrupt(f"{name}: bad magic {magic!r}", name)
+    if version != RECORD_VERSION:
+        raise ChunkCorrupt(f"{name}: record version {version}, this build reads {RECORD_VERSION}", name)
+    want = HEADER_BYTES + meta_len + body_len
+    if len(blob) < want:
+        raise ChunkTruncated(f"{name}: {len(blob)} bytes, header says {want}", name)
+    if len(blob) > want:
+        raise ChunkCorrupt(f"{name}: {len(blob)} bytes, header says {want}", name)
+    view = memoryview(blob)
+    meta_b = view[HEADER_BYTES : HEADER_BYTES + meta_len]
+    body = view[HEADER_BYTES + meta_len :]
+    if _digest(bytes(meta_b), body) != digest:
+        raise ChunkCorrupt(f"{name}: checksum mismatch", name)
+    try:
+        meta = json.loads(bytes(meta_b))
+        dtype = DTYPES[meta["dtype"]]
+        shape = [int(x) for x in meta["shape"]]
+        n_tok = int(meta["num_tokens"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ChunkCorrupt(f"{name}: unreadable metadata ({e})", name) from None
+    if meta.get("key") != key.hex or meta.get("layer") != layer:
+        raise ChunkCorrupt(f"{name}: entry is for {meta.get('key')}.{meta.get('layer')}", name)
+    if meta.get("byteorder", "little") != sys.byteorder:
+        raise ChunkCorrupt(f"{name}: written on a {meta.get('byteorder')}-endian host", name)
+    expect_tok = token_bytes(tokens)
+    if body[: 4 * n_tok] != expect_tok:
+        raise TokenMismatch(f"{name}: stored token ids differ from the request's prefix", name)
+    payload = body[4 * n_tok :]
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if len(payload) != itemsize * int(np.prod(shape)):
+        raise ChunkCorrupt(f"{name}: payload {len(payload)} bytes does not match {meta['dtype']}{shape}", name)
+    if len(payload) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)
+
+
+class KVStore(ABC):
+    """A tier of (chunk, layer) entries. Subclasses move bytes; this class formats, verifies and counts."""
+
+    def __init__(self, drop_bad: bool = True) -> None:
+        self.stats = StoreStats()
+        self.drop_bad = drop_bad  # delete an entry that failed a check so it is rewritten, not re-failed
+
+    # ---- raw byte storage, per tier
+    @abstractmethod
+    def _write(self, name: str, blob: bytes) -> bool | None:
+        """Store the bytes; return False if the tier declined them (too large), else None/True."""
+
+    @abstractmethod
+    def _read(self, name: str) -> bytes:
+        """The stored bytes; ChunkMissing if absent, StoreUnavailable if the tier cannot be reached."""
+
+    @abstractmethod
+    def _delete(self, name: str) -> None: ...
+
+    @abstractmethod
+    def _exists(self, name: str) -> bool: ...
+
+    def _read_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """Bytes per name, None where missing (tiers with batched reads override)."""
+        out: list[bytes | None] = []
+        for n in names:
+            try:
+                out.append(self._read(n))
+            except ChunkMissing:
+                out.append(None)
+        return out
+
+    # ---- public API
+    def put(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor) -> int:
+        """Store one entry; returns its size in bytes. Raises StoreUnavailable if the tier is down."""
+        blob = encode_record(key, layer, tokens, kv)
+        try:
+            stored = self._write(key.entry_name(layer), blob)
+        except StoreUnavailable:
+            self.stats.add(put_failures=1, unavailable=1)
+            raise
+        if stored is False:
+            return 0
+        self.stats.add(puts=1, bytes_written=len(blob))
+        return len(blob)
+
+    def get_entry(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray) -> Entry:
+        """Load and verify one entry (raises a StoreError subclass, counted, on any failure)."""
+        name = key.entry_name(layer)
+        try:
+            blob = self._read(name)
+        except StoreError as e:
+            self._count(e)
+            raise
+        return self._verify(blob, key, layer, tokens, name)
+
+    def get(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
+        return self.get_entry(key, layer, tokens).tensor
+
+    def get_layers(
+        self, key: ChunkKey, layers: Iterable[int], tokens: Sequence[int] | np.ndarray
+    ) -> dict[int, torch.Tensor | StoreError]:
+        """Several layers of one chunk; each value is the tensor or the (counted) error for that layer."""
+        return {
+            i: (e.tensor if isinstance(e, Entry) else e) for i, e in self.get_layer_entries(key, layers, tokens).items()
+        }
+
+    def get_layer_entries(
+        self, key: ChunkKey, layers: Iterable[int], tokens: Sequence[int] | np.ndarray
+    ) -> dict[int, Entry | StoreError]:
+        """Like ``get_layers`` with record sizes (what a link would carry)."""
+        layers = list(layers)
+        names = [key.entry_name(i) for i in layers]
+        try:
+            blobs = self._read_many(names)
+        except StoreUnavailable as e:
+            self.stats.add(unavailable=len(layers))
+            return {i: e for i in layers}
+        out: dict[int, Entry | StoreError] = {}
+        for i, n, blob in zip(layers, names, blobs):
+            if blob is None:
+                err = ChunkMissing(f"{n}: not in store", n)
+                self._count(err)
+                out[i] = err
+                continue
+            try:
+                out[i] = self._verify(blob, key, i, tokens, n)
+            except StoreError as e:
+                out[i] = e
+        return out
+
+    def contains(self, key: ChunkKey, layer: int) -> bool:
+        try:
+            return self._exists(key.entry_name(layer))
+        except StoreUnavailable:
+            self.stats.add(unavailable=1)
+            return False
+
+    def delete(self, key: ChunkKey, layer: int) -> None:
+        self._delete(key.entry_name(layer))
+
+    def close(self) -> None:
+        """Release connections/handles (no-op by default)."""
+
+    # ---- helpers
+    def _verify(self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, name: str) -> Entry:
+        try:
+            t = decode_record(blob, key, layer, tokens, name)
+        except StoreError as e:
+            self._count(e)
+            if self.drop_bad:
+                try:
+                    self._delete(name)
+                except StoreError:
+                    pass
+            raise
+        self.stats.add(hits=1, bytes_read=len(blob))
+        return Entry(t, len(blob))
+
+    def _count(self, e: StoreError) -> None:
+        if isinstance(e, ChunkMissing):
+            self.stats.add(misses=1)
+        elif isinstance(e, TokenMismatch):
+            self.stats.add(token_mismatch=1)
+        elif isinstance(e, ChunkTruncated):
+            self.stats.add(truncated=1)
+        elif isinstance(e, ChunkCorrupt):
+            self.stats.add(corrupt=1)
+        elif isinstance(e, StoreUnavailable):
+            self.stats.add(unavailable=1)
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""Prefix-chunk keys: a chained hash, so a key names a chunk *and everything before it*.
+
+key_0 = H(root || tokens_0), key_c = H(key_{c-1} || tokens_c), root = H(model id, chunk size, dtype).
+Two prompts share key_c exactly when they share the first (c+1)*chunk tokens, under the same model and KV
+format; the stored record also keeps the chunk's own token ids, checked on every hit, so a hash collision
+or a mixed-up entry is caught instead of feeding wrong KV to attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+KEY_VERSION = 1
+DIGEST_BYTES = 16
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"kvtide-key-v1")
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))  # length-prefixed: no ambiguity between parts
+        h.update(p)
+    return h.digest()
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Canonical encoding of token ids (uint32 little endian); rejects ids outside [0, 2^32)."""
+    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """What besides the tokens decides whether stored KV is reusable."""
+
+    model_id: str
+    chunk_tokens: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must be non-empty")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be an int > 0, got {self.chunk_tokens!r}")
+        if not self.dtype:
+            raise ValueError("dtype must be non-empty")
+
+    @property
+    def root(self) -> bytes:
+        return _h(b"root", str(KEY_VERSION).encode(), self.model_id.encode(), str(self.chunk_tokens).encode(),
+                  self.dtype.encode())
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Key of full chunk ``index`` of a prefix; ``hex`` is the chained digest."""
+
+    hex: str
+    index: int
+
+    def entry_name(self, layer: int) -> str:
+        """Name of one (chunk, layer) entry in a store."""
+        if layer < 0:
+            raise ValueError(f"layer must be >= 0, got {layer}")
+        return f"{self.hex}.{layer}"
+
+
+def chunk_keys(tokens: Sequence[int] | np.ndarray, space: KeySpace) -> list[ChunkKey]:
+    """Keys of every *full* chunk of ``tokens`` (a partial tail chunk is never stored)."""
+    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    C = space.chunk_tokens
+    prev = space.root
+    out: list[ChunkKey] = []
+    for c in range(arr.size // C):
+        prev = _h(prev, token_bytes(arr[c * C : (c + 1) * C]))
+        out.append(ChunkKey(prev.hex(), c))
+    return out
+
+
+def chunk_tokens(tokens: Sequence[int] | np.ndarray, key: ChunkKey, space: KeySpace) -> np.ndarray:
+    """The token ids of chunk ``key.index`` (what its record must hold)."""
+    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    C = space.chunk_tokens
+    return arr[key.index * C : (key.index + 1) * C]

@@ -1,0 +1,75 @@
+"""In-process tier: entries as bytes in an LRU bounded by total bytes.
+
+Stored serialised (not as tensors) so the same checks run on every tier and the byte bound is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from kvtide.store.base import ChunkMissing, KVStore
+
+
+class MemoryStore(KVStore):
+    """LRU over entry bytes; a read refreshes recency."""
+
+    def __init__(self, capacity_bytes: int, drop_bad: bool = True) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be an int > 0, got {capacity_bytes!r}")
+        super().__init__(drop_bad)
+        self.capacity_bytes = capacity_bytes
+        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def _write(self, name: str, blob: bytes) -> bool:
+        if len(blob) > self.capacity_bytes:
+            self.stats.add(rejected=1)
+            return False
+        evicted = 0
+        with self._lock:
+            old = self._data.pop(name, None)
+            if old is not None:
+                self._used -= len(old)
+            while self._used + len(blob) > self.capacity_bytes:
+                _, victim = self._data.popitem(last=False)
+                self._used -= len(victim)
+                evicted += 1
+            self._data[name] = blob
+            self._used += len(blob)
+        if evicted:
+            self.stats.add(evictions=evicted)
+        return True
+
+    def _read(self, name: str) -> bytes:
+        with self._lock:
+            blob = self._data.get(name)
+            if blob is None:
+                raise ChunkMissing(f"{name}: not in memory store", name)
+            self._data.move_to_end(name)
+            return blob
+
+    def _delete(self, name: str) -> None:
+        with self._lock:
+            old = self._data.pop(name, None)
+            if old is not None:
+                self._used -= len(old)
+
+    def _exists(self, name: str) -> bool:
+        with self._lock:
+            return name in self._data
+
+    # test/fault-injection hook: replace the stored bytes of an entry
+    def _poke(self, name: str, blob: bytes) -> None:
+        with self._lock:
+            old = self._data.get(name)
+            self._used += len(blob) - (len(old) if old is not None else 0)
+            self._data[name] = blob
