@@ -42,30 +42,35 @@ def _analyze_kernel(x_ptr, desc_ptr, BLOCK: tl.constexpr, VERSION: tl.constexpr)
     tl.store(desc_ptr + pid, desc.to(tl.uint8))
 
 
-def _pack_kernel(x_ptr, desc_ptr, off_ptr, out8_ptr, out16_ptr, out32_ptr, BLOCK: tl.constexpr):
-    """Write block pid at byte off[pid] of out (viewed as uint8/int16/int32), raw or compressed."""
+def _pack_kernel(x_ptr, desc_ptr, off_ptr, out16_ptr, out32_ptr, BLOCK: tl.constexpr):
+    """Write block pid at byte off[pid] of out (viewed as int16/int32), raw or compressed."""
     pid = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     desc = tl.load(desc_ptr + pid).to(tl.int32)
     off = tl.load(off_ptr + pid)  # int64, a multiple of 16
     xs = tl.load(x_ptr + pid.to(tl.int64) * BLOCK + i)
-    raw = (i >= 0) & (desc == 0xFF)
-    tl.store(out16_ptr + off // 2 + i, xs, mask=raw)
+    desc_v = tl.zeros([BLOCK], tl.int32) + desc  # per-lane copy: masks must be full tensors
+    tl.store(out16_ptr + off // 2 + i, xs, mask=desc_v == 0xFF)
 
     u = xs.to(tl.int32) & 0xFFFF
     e = (u >> 7) & 0xFF
     d = (e - (desc & 0x7F) * 2) >> 1
     zero = ((desc & 0x80) != 0) & ((u & 0x7FFF) == 0)
     nib = ((u >> 12) & 8) | tl.where(zero, 7, d)
-    lpos = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)  # low plane: l0 l2 l1 l3 per 4 values
-    tl.store(out8_ptr + off + lpos, (u & 0xFF).to(tl.uint8), mask=~raw)
+    q = tl.arange(0, 4)
+    lpos = ((q & 1) << 1) | (q >> 1)  # low plane: l0 l2 l1 l3 per 4 values, one int32 word
+    lo4 = tl.reshape((u & 0xFF).to(tl.uint32), (BLOCK // 4, 4))
+    low = tl.sum(lo4 << (8 * lpos).to(tl.uint32)[None, :], axis=1)
+    v = tl.arange(0, BLOCK // 4)
+    comp_v = (tl.zeros([BLOCK // 4], tl.int32) + desc) != 0xFF
+    tl.store(out32_ptr + off // 4 + v, low.to(tl.int32, bitcast=True), mask=comp_v)
 
     j = tl.arange(0, 8)
     slot = (j >> 1) + 4 * (j & 1)  # even values in slots 0-3, odd in 4-7
     nib8 = tl.reshape(nib.to(tl.uint32), (BLOCK // 8, 8))
     word = tl.sum(nib8 << (4 * slot).to(tl.uint32)[None, :], axis=1)  # disjoint fields: sum == or
     w = tl.arange(0, BLOCK // 8)
-    comp_w = (w >= 0) & (desc != 0xFF)
+    comp_w = (tl.zeros([BLOCK // 8], tl.int32) + desc) != 0xFF
     tl.store(out32_ptr + (off + BLOCK) // 4 + w, word.to(tl.int32, bitcast=True), mask=comp_w)
 
 
@@ -114,7 +119,7 @@ def pack(x: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, out: torch.
     if desc.numel():
         k = _get_kernels(x.device)
         k.pack[(desc.numel(),)](
-            x.view(torch.int16), desc, offsets, out, out.view(torch.int16), out.view(torch.int32), BLOCK=block_size
+            x.view(torch.int16), desc, offsets, out.view(torch.int16), out.view(torch.int32), BLOCK=block_size
         )
 
 
