@@ -40,6 +40,7 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     step_seconds: float = 0.0
+    last_step: tuple[int, int, float] = (0, 0, 0.0)  # (prefill tokens, decode tokens, seconds) of the latest step
 
 
 class LLMEngine:
@@ -50,7 +51,8 @@ class LLMEngine:
         sched_cfg = config.scheduler
         self.model, self.tokenizer, self.model_dir = load_model(config.model, device, dtype, progress=progress)
         args = self.model.args
-        self.max_model_len = min(sched_cfg.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        self.max_model_len = min(sched_cfg.max_model_len or args.max_position_embeddings, args.max_position_embeddings,
+                                 self.model.rope_cos.shape[0])
         cache = config.cache
         page_bytes = ModelRunner.page_bytes(args, cache.page_size, cache.torch_kv_dtype)
         num_pages = cache.num_pages or max(1, self._kv_budget(device) // page_bytes)
@@ -138,6 +140,7 @@ class LLMEngine:
         n_prefill = sum(n for s, n in plan.batch if n > 1 or s.num_computed_tokens < s.num_prompt_tokens)
         n_decode = plan.num_tokens - n_prefill
         self.stats.steps += 1
+        self.stats.last_step = (n_prefill, n_decode, dt)
         self.stats.step_seconds += dt
         self.stats.prefill_tokens += n_prefill
         self.stats.decode_tokens += n_decode

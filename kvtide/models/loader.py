@@ -10,7 +10,7 @@ import torch
 from .convert import convert_gguf, ensure_converted
 from .llama import CausalLM, ModelArgs
 from .registry import BUNDLED, ModelNotFoundError, cache_root, get_bundled
-from .tokenizer import Tokenizer
+from .tokenizer import NullTokenizer, Tokenizer
 
 
 def resolve_model_dir(model: str, progress: bool = True) -> Path:
@@ -72,9 +72,26 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None, dev
     return model.eval().requires_grad_(False)
 
 
+RANDOM_PRESETS = {
+    "llama3-8b": ModelArgs.llama3_8b,
+    "tiny": lambda: ModelArgs(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                              head_dim=32, vocab_size=1000, max_position_embeddings=4096),
+}
+
+
 def load_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                max_positions: int | None = None, progress: bool = True) -> tuple[CausalLM, Tokenizer, str]:
-    """Returns the model, its tokenizer and the resolved directory."""
+    """Returns the model, its tokenizer and the resolved directory.
+
+    `random:<preset>` (e.g. random:llama3-8b) builds a model of that shape with random weights and no tokenizer,
+    for GPU benchmarks at shapes whose weights are not reachable here.
+    """
+    if model.startswith("random:"):
+        preset = model.split(":", 1)[1]
+        if preset not in RANDOM_PRESETS:
+            raise ModelNotFoundError(f"unknown random preset '{preset}' (known: {', '.join(RANDOM_PRESETS)})")
+        args = RANDOM_PRESETS[preset]()
+        return build_model(args, None, device, dtype, max_positions or 32768), NullTokenizer(), model
     directory = resolve_model_dir(model, progress)
     cfg = json.loads((directory / "config.json").read_text())
     args = ModelArgs.from_hf_config(cfg)

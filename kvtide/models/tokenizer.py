@@ -71,6 +71,30 @@ class Tokenizer:
         )
 
 
+class NullTokenizer:
+    """For random-weight models: prompts must be token ids, and no text is produced."""
+
+    chat_template = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("this model has no tokenizer (random weights): pass prompts as lists of token ids")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def detokenizer(self) -> "_NullDetokenizer":
+        return _NullDetokenizer()
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        raise ValueError("this model has no tokenizer or chat template")
+
+
+class _NullDetokenizer:
+    def step(self, token_id: int) -> str:
+        return ""
+
+
 class IncrementalDetokenizer:
     """Text deltas as tokens arrive; holds back bytes that do not yet form whole UTF-8 characters."""
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import ContainerError
+from .errors import ContainerError, SpecError
 from .stage import Stage, Stream, check_int, register
 
 
@@ -238,17 +238,24 @@ class ZipFusion(Pack):
 
     name: ClassVar[str] = "zipf"
     bs: int = 512
+    v: int = 1  # format version; 2 adds the exact-zero escape
 
     def __post_init__(self) -> None:
-        check_int("zipf block size bs", self.bs, 2, 1 << 20)
+        check_int("zipf block size bs", self.bs, 32, 1 << 20)
+        if self.bs % 32:
+            raise SpecError(f"zipf block size must be a multiple of 32, got {self.bs}")
+        check_int("zipf version v", self.v, 1, 2)
 
     def encode(self, s):
         if not s.bf16:
             return super().encode(s)
         import torch
         from kvtide.cache import zipformat
-        x = torch.from_numpy(s.data.ravel().view(np.int16).copy()).view(torch.bfloat16)
-        return _serialise(zipformat.encode(x, block_size=self.bs))
+        flat = s.data.ravel().view(np.int16)
+        flat = np.concatenate([flat, np.zeros((-flat.size) % self.bs, np.int16)])  # the format wants whole blocks
+        x = torch.from_numpy(flat).view(torch.bfloat16)
+        kw = {"version": self.v} if self.v != 1 else {}  # the base API is encode(x, block_size)
+        return _serialise(zipformat.encode(x, block_size=self.bs, **kw))
 
     def decode(self, data, dtype, shape, bits, bf16):
         if not bf16:
@@ -262,9 +269,10 @@ class ZipFusion(Pack):
         except Exception as e:
             raise ContainerError(f"zipf: cannot decode stream: {e}") from e
         out = x.contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
-        if out.size != _n(shape):
+        n = _n(shape)
+        if out.size != n + (-n) % self.bs:
             raise ContainerError("zipf: stream length mismatch")
-        return out.reshape(shape).copy()
+        return out[:n].reshape(shape).copy()
 
 
 def _serialise(e: Any) -> bytes:

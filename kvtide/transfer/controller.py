@@ -14,7 +14,7 @@ s_p the harmonic combination of encode and decode throughput. Decisions of this 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np

@@ -83,9 +83,13 @@ class Pipeline:
         return pack(self.to_spec(), entries)
 
     def _encode_one(self, kv: torch.Tensor, key: str | None, scores: torch.Tensor | None) -> Entry:
-        x = kv.detach().to("cpu", torch.float32)
-        y, side = self.transform.encode(x)
-        qs, qmeta = self.quantizer.encode(y, scores)
+        if self.lossless:  # bit patterns straight through: float round trips would canonicalise NaN payloads
+            bits = kv.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+            side, qs, qmeta = {}, {"v": Stream(bits.copy(), bf16=True)}, {"x": True}
+        else:
+            x = kv.detach().to("cpu", torch.float32)
+            y, side = self.transform.encode(x)
+            qs, qmeta = self.quantizer.encode(y, scores)
         streams = {"t." + k: Stream(np.ascontiguousarray(v)) for k, v in side.items()}
         streams.update({"q." + k: v for k, v in qs.items()})
         recs = [StreamRecord(name, s.data.dtype.str, tuple(s.data.shape), s.bits, s.bf16, self.codec.encode(s))
@@ -109,6 +113,11 @@ class Pipeline:
     def _decode_one(self, e: Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
         try:
             t, q = self._arrays(e)
+            if self.lossless:
+                v = q["v"]
+                if v.size != math.prod(e.shape):
+                    raise ContainerError("stream size does not match the recorded shape")
+                return torch.from_numpy(v.view(np.int16).reshape(e.shape).copy()).view(torch.bfloat16), None
             y, mask = self.quantizer.decode(q, e.meta["q"], e.shape)
             x = self.transform.decode(y, t)
         except ContainerError:

@@ -6,7 +6,9 @@ Modes: ``bo`` (constrained GP Bayesian optimisation, Algorithm 1), ``exhaustive`
 BO: configurations embedded one-hot (categorical) + min-max (numeric); two GPs (quality; log ratio);
 acquisition  a(c) = CR(c)/CR_max * P(q >= thr) + lambda0 exp(-decay t) * sigma_q(c)/max sigma_q;
 bi-directional pruning once exploiting (feasible at CR -> drop predicted CR < CR(1-eps); far infeasible at CR
--> drop predicted CR > CR(1+eps)); early stop after ``patience`` evaluations without a better feasible CR.
+-> drop predicted CR > CR(1+eps) among configurations with the same categorical choices: the CR/quality
+trade-off is monotone along one pipeline's ordered parameters, not across pipelines, where the paper's global
+rule would discard e.g. a rotated variant that is feasible at a higher CR); early stop after ``patience`` evaluations without a better feasible CR.
 Resumable: every evaluation is appended to ``state_path`` (JSON) and replayed on restart.
 """
 from __future__ import annotations
@@ -104,18 +106,19 @@ class ProfilerConfig:
     max_evals: int = 80
     n_init: int = 6
     lambda0: float = 1.0
-    decay: float = 0.25
+    decay: float = 0.1
     prune_eps: float = 0.05
     infeasible_margin: float = 0.02
-    patience: int = 20
-    refit_every: int = 4
+    patience: int = 30
+    refit_every: int = 8  # GP hyperparameter fits are the cost on CPU (~30 ms per L-BFGS step)
+    fit_iters: int = 30
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("bo", "exhaustive", "random"):
             raise ValueError(f"mode must be bo, exhaustive or random, got {self.mode!r}")
-        if self.max_evals < 1 or self.n_init < 1 or self.patience < 1 or self.refit_every < 1:
-            raise ValueError("max_evals, n_init, patience and refit_every must be >= 1")
+        if min(self.max_evals, self.n_init, self.patience, self.refit_every, self.fit_iters) < 1:
+            raise ValueError("max_evals, n_init, patience, refit_every and fit_iters must be >= 1")
         if self.lambda0 < 0 or self.decay < 0 or self.prune_eps < 0 or self.infeasible_margin < 0:
             raise ValueError("lambda0, decay, prune_eps and infeasible_margin must be >= 0")
 
@@ -205,6 +208,7 @@ class Profiler:
 
         cfg, n = self.cfg, len(self.configs)
         X = torch.tensor(self.space.embed(self.configs), dtype=torch.double)
+        cat = np.concatenate([self.space.embed(self.configs)[:, i: i + 1] for i in self._cat_columns()], 1)
         alive = np.ones(n, bool)
         for i in self.points:
             alive[i] = False
@@ -231,8 +235,9 @@ class Profiler:
                     gp.mean_module.load_state_dict(hyper[key]["mean"])
                 else:
                     try:
-                        fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp),
-                                         optimizer_kwargs={"options": {"maxiter": 60}})
+                        fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp), max_attempts=1,
+                                         warning_handler=lambda w: True,
+                                         optimizer_kwargs={"options": {"maxiter": cfg.fit_iters, "maxfun": 2 * cfg.fit_iters}})
                     except Exception:  # noqa: BLE001 - a failed fit keeps default hyperparameters
                         pass
                     hyper[key] = {"covar": gp.covar_module.state_dict(), "lik": gp.likelihood.state_dict(),
@@ -253,7 +258,8 @@ class Profiler:
                 if pt.quality >= cfg.quality_threshold:
                     alive &= ~(cr < pt.ratio * (1 - cfg.prune_eps))
                 elif pt.quality < cfg.quality_threshold - cfg.infeasible_margin:
-                    alive &= ~(cr > pt.ratio * (1 + cfg.prune_eps))
+                    family = (cat == cat[c]).all(1)
+                    alive &= ~(family & (cr > pt.ratio * (1 + cfg.prune_eps)))
             nb = self._best()
             if nb is not None and (best is None or nb.ratio > best.ratio):
                 best, fails = nb, 0
@@ -262,6 +268,15 @@ class Profiler:
                 if fails >= cfg.patience:
                     return "early-stop"
         return "budget"
+
+    def _cat_columns(self) -> list[int]:
+        cols, j = [], 0
+        for d in self.space.dims:
+            w = 1 if d.numeric else len(d.values)
+            if not d.numeric:
+                cols += range(j, j + w)
+            j += w
+        return cols or [0]
 
     def write_table(self, path: str | Path, workload: str = "", **info: Any) -> list[Profile]:
         """Write the Pareto set of the feasible evaluated points as a profile table; return it."""

@@ -1,0 +1,60 @@
+"""FlashInfer attention over the same paged cache (CUDA only): decode wrapper for pure-decode steps (tensor-core
+path, the strong GQA baseline), prefill wrapper for steps that carry prefill chunks. Planned once per step."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.paged_attention_ref import write_kv
+from .attention import AttentionBackend, BatchLayout
+
+WORKSPACE_BYTES = 256 << 20
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int, page_size: int):
+        super().__init__(kv_caches, num_heads, head_dim)
+        import flashinfer
+
+        dev = kv_caches[0].device
+        self.num_kv_heads = num_kv_heads
+        self.page_size = page_size
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD", use_tensor_cores=True)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD")
+        self.wrapper = None
+
+    def plan(self, layout: BatchLayout) -> None:
+        p = layout.page_size
+        used = [-(-kv // p) for kv in layout.kv_lens]
+        indices = [pid for table, n in zip(layout.block_tables, used) for pid in table[:n]]
+        indptr = [0]
+        for n in used:
+            indptr.append(indptr[-1] + n)
+        last = [kv - (n - 1) * p for kv, n in zip(layout.kv_lens, used)]
+        dev = self.kv_caches[0].device
+        i32 = dict(dtype=torch.int32)
+        kv_indptr = torch.tensor(indptr, **i32)
+        kv_indices = torch.tensor(indices, **i32).to(dev)
+        kv_last = torch.tensor(last, **i32)
+        dtype = self.kv_caches[0].dtype
+        self.slot_mapping = layout.slot_mapping
+        if layout.is_decode_only:
+            self.decode.plan(kv_indptr, kv_indices, kv_last, self.num_heads, self.num_kv_heads, self.head_dim, p,
+                             pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
+            self.wrapper = self.decode
+        else:
+            qo = [0]
+            for n in layout.q_lens:
+                qo.append(qo[-1] + n)
+            self.prefill.plan(torch.tensor(qo, **i32), kv_indptr, kv_indices, kv_last, self.num_heads,
+                              self.num_kv_heads, self.head_dim, p, causal=True, q_data_type=dtype,
+                              kv_data_type=dtype, sm_scale=self.scale)
+            self.wrapper = self.prefill
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.kv_caches[layer]
+        write_kv(cache, k, v, self.slot_mapping)
+        return self.wrapper.run(q.to(cache.dtype), cache).to(q.dtype)
