@@ -1,0 +1,147 @@
+"""The `kvtide` command: models, generate, chat, demo."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="bundled model name, HF safetensors dir, or .gguf file")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _params(a: argparse.Namespace):
+    from .engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                          seed=a.seed, stop=a.stop)
+
+
+def _llm(a: argparse.Namespace):
+    from .engine.llm import LLM
+
+    return LLM(a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend)
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models.convert import bundled_dir
+    from .models.registry import BUNDLED, DEFAULT_MODEL, cache_root
+
+    t = Table(title=f"bundled models (converted cache: {cache_root() / 'models'})")
+    for col in ("name", "description", "installed", "GGUF size", "converted", "install with"):
+        t.add_column(col)
+    for m in BUNDLED.values():
+        name = m.name + (" (default)" if m.name == DEFAULT_MODEL else "")
+        t.add_row(name, m.description, "yes" if m.installed() else "no", f"{m.gguf_size / 1e6:.0f} MB",
+                  "yes" if (bundled_dir(m) / "config.json").exists() else "no", m.install_command)
+    Console().print(t)
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    llm = _llm(a)
+    prompt = llm.chat_prompt([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+    t0 = time.perf_counter()
+    last = None
+    for out in llm.stream(prompt, _params(a)):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        last = out
+    dt = time.perf_counter() - t0
+    if last is not None:
+        n = len(last.token_ids)
+        print(f"\n[{n} tokens in {dt:.2f}s, TTFT {last.ttft * 1e3:.0f} ms, finish: {last.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    llm = _llm(a)
+    params = _params(a)
+    messages: list[dict] = []
+    print("kvtide chat — /reset starts over, /exit (or Ctrl-D) leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        last = None
+        for out in llm.stream(llm.chat_prompt(messages), params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            last = out
+        assert last is not None
+        messages.append({"role": "assistant", "content": last.text})
+        print(f"\n[{len(last.prompt_token_ids)} prompt tokens, {last.num_cached_tokens} reused from earlier turns, "
+              f"TTFT {last.ttft * 1e3:.0f} ms]", file=sys.stderr)
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtide", description="kvtide: a KV-cache layer for LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("models", help="list bundled models, installed or not")
+    p.set_defaults(fn=cmd_models)
+
+    p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _engine_args(p)
+    _sampling_args(p, 128)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("chat", help="multi-turn chat; each turn reuses the previous turns' KV pages")
+    _engine_args(p)
+    _sampling_args(p, 256)
+    p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("demo", help="scripted multi-turn chat showing what the KV layer did, with numbers")
+    _engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=40, help="tokens per assistant turn")
+    p.add_argument("--turns", type=int, default=4)
+    p.set_defaults(fn=cmd_demo)
+
+    a = ap.parse_args(argv)
+    from .models.registry import ModelNotFoundError
+
+    try:
+        return a.fn(a)
+    except (ModelNotFoundError, ValueError, TypeError) as e:
+        print(f"kvtide: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
