@@ -65,15 +65,11 @@ class TorchAttention(AttentionBackend):
         starts = layout.q_starts
         self.dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=dev)
         if dec:
-            max_kv = max(layout.kv_lens[i] for i in dec)
-            pos = torch.arange(max_kv)
-            rows = []
-            for i in dec:
-                table = torch.tensor(layout.block_tables[i], dtype=torch.long)
-                clipped = pos.clamp(max=layout.kv_lens[i] - 1)
-                rows.append(table[clipped // p])
-            self.dec_pages = torch.stack(rows).to(dev)
-            self.dec_offsets = (pos % p).expand(len(dec), -1).to(dev)
+            used = [-(-layout.kv_lens[i] // p) for i in dec]
+            width = max(used)
+            # Pad each table by repeating its first page: read but masked, so any valid page id will do.
+            tables = [layout.block_tables[i][:n] + [layout.block_tables[i][0]] * (width - n) for i, n in zip(dec, used)]
+            self.dec_tables = torch.tensor(tables, dtype=torch.long, device=dev)
             self.dec_kv_lens = torch.tensor([layout.kv_lens[i] for i in dec], device=dev)
         self.prefills = [
             (starts[i], n, torch.tensor(layout.block_tables[i], dtype=torch.long, device=dev), layout.kv_lens[i])
@@ -84,11 +80,11 @@ class TorchAttention(AttentionBackend):
         cache = self.kv_caches[layer]
         write_kv(cache, k, v, self.slot_mapping)
         if not self.prefills:  # pure decode step: no scatter needed
-            return decode_attention_ref(q, cache, self.dec_pages, self.dec_offsets, self.dec_kv_lens, self.scale)
+            return decode_attention_ref(q, cache, self.dec_tables, self.dec_kv_lens, self.scale)
         out = torch.empty_like(q)
         if len(self.dec_rows):
             out[self.dec_rows] = decode_attention_ref(
-                q[self.dec_rows], cache, self.dec_pages, self.dec_offsets, self.dec_kv_lens, self.scale)
+                q[self.dec_rows], cache, self.dec_tables, self.dec_kv_lens, self.scale)
         for start, n, pages, kv_len in self.prefills:
             out[start:start + n] = prefill_attention_ref(q[start:start + n], cache, pages, kv_len, self.scale)
         return out

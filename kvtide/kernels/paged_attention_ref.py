@@ -24,21 +24,21 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat.index_copy_(0, vs, v.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, token_pages: torch.Tensor, token_offsets: torch.Tensor,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V for arbitrary-shaped index tensors (..., ) -> (..., kv_heads, head_dim) in `dtype`."""
-    page_size = kv_cache.shape[2]
-    flat = kv_cache.view(-1, kv_cache.shape[3], kv_cache.shape[4])
-    ks, vs = kv_slots(token_pages, token_offsets, page_size)
-    return flat[ks].to(dtype), flat[vs].to(dtype)
+def gather_pages(kv_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole pages, one index per page (far cheaper than per-token indexing): [B, P] tables -> [B, P*page, Hk, D]."""
+    b, n = block_tables.shape
+    flat = block_tables.reshape(-1)
+    shape = (b, n * kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
+    k = kv_cache[:, 0].index_select(0, flat).view(shape).to(dtype)
+    v = kv_cache[:, 1].index_select(0, flat).view(shape).to(dtype)
+    return k, v
 
 
-def decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, token_pages: torch.Tensor,
-                         token_offsets: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence. q: [B, Hq, D]; token_pages/offsets: [B, max_kv] (padding ignored past kv_lens)."""
-    b, hq, d = q.shape
-    k, v = gather_kv(kv_cache, token_pages, token_offsets, q.dtype)  # [B, S, Hk, D]
-    mask = torch.arange(token_pages.shape[1], device=q.device)[None, :] < kv_lens[:, None]  # [B, S]
+def decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence. q: [B, Hq, D]; block_tables: [B, max_pages] (padding pages ignored past kv_lens)."""
+    k, v = gather_pages(kv_cache, block_tables, q.dtype)  # [B, S, Hk, D]
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < kv_lens[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
         scale=scale, enable_gqa=True,
@@ -51,7 +51,8 @@ def prefill_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.
     """One sequence's chunk of queries: the last q.shape[0] of its kv_len tokens, causal. q: [Tq, Hq, D]."""
     page_size = kv_cache.shape[2]
     pos = torch.arange(kv_len, device=q.device)
-    k, v = gather_kv(kv_cache, pages[pos // page_size], pos % page_size, q.dtype)  # [S, Hk, D]
+    k, v = gather_pages(kv_cache, pages[None, : -(-kv_len // page_size)], q.dtype)
+    k, v = k[0, :kv_len], v[0, :kv_len]  # [S, Hk, D]
     tq = q.shape[0]
     qpos = torch.arange(kv_len - tq, kv_len, device=q.device)
     mask = pos[None, :] <= qpos[:, None]
