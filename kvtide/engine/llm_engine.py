@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.zip_pages import ZipGeometry, ZipPagedKV
 from ..config import EngineConfig
 from ..models.loader import load_model
 from .block_manager import BlockManager
@@ -58,14 +57,11 @@ class LLMEngine:
         cache = config.cache
         page_bytes = ModelRunner.page_bytes(args, cache.page_size, cache.torch_kv_dtype)
         num_pages = cache.num_pages or max(1, self._kv_budget(device) // page_bytes)
-        self.store = self._make_store(num_pages * page_bytes, device) if cache.compress else None
-        self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend,
-                                  store=self.store)
-        self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, store=self.store)
+        self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend)
+        self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         # A sequence may never outgrow the whole cache, or it would preempt itself forever.
-        fit = num_pages if self.store is None else self.store.free_pages()
-        self.max_seq_len = min(self.max_model_len, fit * cache.page_size)
+        self.max_seq_len = min(self.max_model_len, num_pages * cache.page_size)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -80,27 +76,9 @@ class LLMEngine:
             return int(free - (1 - cache.gpu_memory_utilization) * total)
         return 1 << 30
 
-    def _make_store(self, budget: int, device: torch.device) -> ZipPagedKV:
-        """The compressed pool over the same byte budget the fixed cache would take."""
-        a, c = self.model.args, self.config.cache
-        geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, c.page_size, c.block_size, c.format_version)
-        return ZipPagedKV(geo, budget, device, chunk_bytes=c.chunk_bytes, private_chunks=c.private_chunks)
-
     @property
     def num_pages(self) -> int:
-        """Pages the cache holds uncompressed (page ids can be more with compression: see kv_stats)."""
-        return self.block_manager.num_pages if self.store is None else self.store.raw_capacity_pages
-
-    def kv_stats(self) -> dict:
-        """KV cache figures: compression ratio of K and V (stored / raw bytes of completed pages held),
-        pages compressed, capacity in pages with and without compression, pool waste (compress=True)."""
-        if self.store is None:
-            n = self.block_manager.num_pages
-            return {"compress": False, "k_ratio": 1.0, "v_ratio": 1.0, "pages_compressed_total": 0,
-                    "pages_held": n - len(self.block_manager.free), "free_pages": len(self.block_manager.free),
-                    "capacity_pages": n, "capacity_pages_uncompressed": n}
-        return {**self.store.stats(), "prefix_evictions": self.block_manager.stats["evictions"],
-                "preemptions": self.scheduler.num_preemptions}
+        return self.block_manager.num_pages
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
