@@ -1,0 +1,433 @@
+"""Triton paged DECODE attention over ZipFusion pages (and over raw NHD pages, same kernel skeleton).
+
+Why one skeleton for both: the raw kernel is the control. Its time against FlashInfer measures the
+kernel's quality; the zip kernel's time against the raw one measures what the 12-bit format buys.
+
+Design (ZipFusion paper, section III-C, done the Triton way)
+------------------------------------------------------------
+* One program per (sequence, KV head, split). All G = Hq / Hkv query heads of the KV head are one
+  [GP, D] tile (GP = G padded to 16 for ``tl.dot``), so every KV byte is read once.
+* The zip kernel walks its split one page at a time (a [page_size, D] tile): the page id, the group's
+  start (``group_start``) and its descriptors (``group_desc``, read as one word) are scalars, fetched one
+  page ahead so that only the data loads sit on the critical path; a row's block offset is
+  start + j * 1.5B + (raw blocks before j) * 0.5B, so the storage tables are the only source of
+  placement. The raw kernel walks ``TILE`` tokens at a time, a page id per row.
+* Rows of compressed blocks load the low plane (one int64 per 8 values) and the code plane (one int32 per
+  8 values) as two [rows, D/8] tiles of one register layout; rows of raw blocks load their BF16 row. Compressed rows are rebuilt in
+  registers, word by word, exactly as ``zipblocks.rebuild_words`` (two BF16 values per int32:
+  ``T = (cw << 8-4k) & 0x0F000F00; W = T + 15 * (T & 0x08000800) + (b/2) * 0x01000100 + L``), then
+  the halves of the words are joined into a [rows, D] BF16 operand of ``tl.dot``. Raw and compressed rows
+  stay two operands (each zero where the other holds the row) and both go to the tensor cores: cheaper than
+  a per-value select or a shuffle through shared memory. No decompressed copy is ever written to memory. Version-2 zero-escape rows pay two more ops per value, and only in
+  tiles that hold one (a tile-uniform branch).
+* QK^T and PV are ``tl.dot`` (tensor cores) with an online softmax in base 2 (fp32 accumulators).
+* Split-KV: with ``num_splits > 1`` each program writes its normalised partial output and its
+  log-sum-exp (base 2); a merge kernel combines the splits of a (sequence, q head). With one split
+  the main kernel writes the BF16 output directly.
+
+The kernels know pages, groups and blocks only (no engine). ``plan`` once per batch, ``run_zip`` /
+``run_raw`` per layer. Torch reference: :mod:`kvtide.kernels.zip_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _zip_meta(gstart_ptr, gdesc_ptr, page, h, KV: tl.constexpr, H_KV: tl.constexpr, NB: tl.constexpr):
+    """Scalars of one group (page, h, K|V): its start in int32 words and its NB descriptors as one word."""
+    gi = (page.to(tl.int64) * H_KV + h) * 2 + KV
+    start_w = (tl.load(gstart_ptr + gi) // 4).to(tl.int32)
+    if NB == 1:
+        dw = tl.load(gdesc_ptr + gi).to(tl.int32)
+    elif NB == 2:
+        dw = tl.load(gdesc_ptr.to(tl.pointer_type(tl.int16)) + gi).to(tl.int32) & 0xFFFF
+    elif NB == 4:
+        dw = tl.load(gdesc_ptr.to(tl.pointer_type(tl.int32)) + gi)
+    else:
+        dw = tl.load(gdesc_ptr.to(tl.pointer_type(tl.int64)) + gi)
+    return start_w, dw
+
+
+def _zip_tile(pool32, pool16, start_w, dw, valid, tok, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr,
+              VERSION: tl.constexpr, TILE: tl.constexpr):
+    """Two [PS, D] BF16 tiles of one page's K or V group (``start_w``, ``dw`` from :func:`_zip_meta`): raw rows
+    as loaded (compressed rows zero) and compressed rows rebuilt in registers (raw rows zero). The caller feeds
+    both to the tensor cores, cheaper than a per-value select or a shuffle into one register layout."""
+    NB: tl.constexpr = PS * D // BLOCK  # blocks per group
+    RB: tl.constexpr = BLOCK // D  # rows (tokens) per block
+    blk = tok // RB
+    rin = tok % RB
+    nraw = tl.zeros_like(tok)
+    for j in tl.static_range(NB - 1):
+        nraw += (((dw >> (8 * j)) & 0xFF) == 0xFF).to(tl.int32) * (j < blk).to(tl.int32)
+    desc = ((dw >> (8 * blk).to(dw.dtype)) & 0xFF).to(tl.int32)
+    israw = desc == 0xFF
+    raw_m = valid & israw
+    comp_m = valid & (desc != 0xFF)
+    boff32 = start_w + blk * (BLOCK * 3 // 8) + nraw * (BLOCK // 8)  # block start in int32 words
+    # int32 word offsets into the pool (run_zip refuses pools of 8 GiB or more): fewer address registers
+    d = tl.arange(0, D)
+    raw_row = tl.multiple_of(boff32 * 2 + rin * D, 8)  # in BF16 elements
+    kraw = tl.load(pool16 + raw_row[:, None] + d[None, :], mask=raw_m[:, None], other=0.0)
+    # low plane as one int64 (la | lb << 32) per 8 values and the code plane as one int32 per 8 values, both
+    # [TILE, D/8] with two per thread, so that they share one register layout (no shuffle through shared memory)
+    w8 = tl.arange(0, D // 8)
+    low_row = tl.multiple_of(boff32 // 2 + rin * (D // 8), 2)  # in int64 units
+    code_row = tl.multiple_of(boff32 + BLOCK // 4 + rin * (D // 8), 4)
+    lo_off = tl.max_contiguous(tl.multiple_of(low_row[:, None] + w8[None, :], [1, 2]), [1, 2])
+    cw_off = tl.max_contiguous(tl.multiple_of(code_row[:, None] + w8[None, :], [1, 2]), [1, 2])
+    lo = tl.load(pool32.to(tl.pointer_type(tl.int64)) + lo_off, mask=comp_m[:, None], other=0)
+    cw = tl.load(pool32 + cw_off, mask=comp_m[:, None], other=0).to(tl.uint32, bitcast=True)
+    la = lo.to(tl.uint32)  # low bytes of values 0-3 of each 8 (truncation)
+    lb = (lo >> 32).to(tl.uint32)  # values 4-7
+    M: tl.constexpr = 0x0F000F00
+    S: tl.constexpr = 0x08000800
+    hb = tl.where(israw, 0, (desc & 0x7F) * 0x01000100).to(tl.uint32)[:, None]  # raw rows rebuild to +0
+    t0 = (cw << 8) & M
+    t1 = (cw << 4) & M
+    t2 = cw & M
+    t3 = (cw >> 4) & M
+    t0 = t0 + 15 * (t0 & S)
+    t1 = t1 + 15 * (t1 & S)
+    t2 = t2 + 15 * (t2 & S)
+    t3 = t3 + 15 * (t3 & S)
+    w0 = t0 + hb + (la & 0x00FF00FF)
+    w1 = t1 + hb + ((la >> 8) & 0x00FF00FF)
+    w2 = t2 + hb + (lb & 0x00FF00FF)
+    w3 = t3 + hb + ((lb >> 8) & 0x00FF00FF)
+    if VERSION == 2:
+        esc = comp_m & ((desc & 0x80) != 0)
+        if tl.max(esc.to(tl.int32), axis=0) != 0:  # tile-uniform: only tiles with escape blocks pay
+            zk = tl.where(esc, ((desc & 0x7F) + 7) << 8, 0).to(tl.uint32)[:, None]
+            w0 -= (((t0 + 0x01000100) & S) >> 11) * zk
+            w1 -= (((t1 + 0x01000100) & S) >> 11) * zk
+            w2 -= (((t2 + 0x01000100) & S) >> 11) * zk
+            w3 -= (((t3 + 0x01000100) & S) >> 11) * zk
+    # word k of each 8 holds dims 8g + 2k (low half) and 8g + 2k + 1 (high half): join to [TILE, D]
+    wq = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [TILE, D/8, 2, 2]: k = 2 k1 + k0
+    lo16 = wq.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi16 = (wq >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    kzip = tl.reshape(tl.join(lo16, hi16), (TILE, D))
+    return kraw, kzip  # each zero where the other holds the row: two dots, no select
+
+
+def _raw_tile(kv_ptr, page, valid, tok, h, KV: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
+    """[TILE, D] BF16 tile of K or V from FlashInfer NHD pages [num_pages, 2, PS, H_KV, D]."""
+    row = ((page.to(tl.int64) * 2 + KV) * PS + tok) * (H_KV * D) + h * D
+    row = tl.multiple_of(row, 8)
+    d = tl.arange(0, D)
+    return tl.load(kv_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+
+
+def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, kvlen_ptr,
+                   kv_ptr, pool32, gstart_ptr, gdesc_ptr, qk_scale, pages_per_split, num_splits,
+                   H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                   TILE: tl.constexpr, BLOCK: tl.constexpr, ZIP: tl.constexpr, VERSION: tl.constexpr,
+                   SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    kv_len = tl.load(kvlen_ptr + b)
+    first = tl.load(indptr_ptr + b)
+    tok_lo = sp * pages_per_split * PS
+    tok_hi = tl.minimum(kv_len, tok_lo + pages_per_split * PS)
+    if tok_lo >= tok_hi:  # this split holds no tokens of this sequence: the merge skips it
+        return
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    qrow = (b * (H_KV * G) + h * G + g).to(tl.int64)
+    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    if ZIP:  # one page per step: its group metadata are scalars, fetched one step ahead
+        r = tl.arange(0, PS)
+        NB: tl.constexpr = PS * D // BLOCK
+        page_n = tl.load(indices_ptr + first + tok_lo // PS)
+        sk_n, dk_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 0, H_KV, NB)
+        sv_n, dv_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 1, H_KV, NB)
+        step: tl.constexpr = PS
+    else:
+        r = tl.arange(0, TILE)
+        step: tl.constexpr = TILE
+    for t0 in range(tok_lo, tok_hi, step):
+        pos = t0 + r
+        valid = pos < tok_hi
+        if ZIP:
+            sk, dk, sv, dv = sk_n, dk_n, sv_n, dv_n
+            k, kz = _zip_tile(pool32, kv_ptr, sk, dk, valid, r, D, PS, BLOCK, VERSION, PS)
+            v, vz = _zip_tile(pool32, kv_ptr, sv, dv, valid, r, D, PS, BLOCK, VERSION, PS)
+            nxt = tl.minimum(t0 + PS, tok_hi - 1) // PS  # prefetch the next page's metadata
+            page_n = tl.load(indices_ptr + first + nxt)
+            sk_n, dk_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 0, H_KV, NB)
+            sv_n, dv_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 1, H_KV, NB)
+        else:
+            page = tl.load(indices_ptr + first + pos // PS, mask=valid, other=0)
+            tok = pos % PS
+            k = _raw_tile(kv_ptr, page, valid, tok, h, 0, H_KV, D, PS)
+            v = _raw_tile(kv_ptr, page, valid, tok, h, 1, H_KV, D, PS)
+        if F32_DOT:  # the Triton interpreter multiplies bf16 dot operands as their raw uint16 bits
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            q = q.to(tl.float32)
+            if ZIP:
+                kz = kz.to(tl.float32)
+                vz = vz.to(tl.float32)
+        s = tl.dot(q, tl.trans(k))
+        if ZIP:
+            s = tl.dot(q, tl.trans(kz), s)
+        s = s * qk_scale  # [GP, TILE], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pb = p.to(tl.bfloat16)
+        if F32_DOT:
+            pb = pb.to(tl.float32)
+        acc = tl.dot(pb, v, acc * alpha[:, None])
+        if ZIP:
+            acc = tl.dot(pb, vz, acc)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    gm = (g < G)[:, None]
+    if SPLIT:
+        prow = qrow * num_splits + sp
+        tl.store(opart_ptr + prow[:, None] * D + d[None, :], o, mask=gm)
+        tl.store(lse_ptr + prow, m_i + tl.log2(l_i), mask=g < G)
+    else:
+        tl.store(out_ptr + qrow[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=gm)
+
+
+def _merge_kernel(opart_ptr, lse_ptr, out_ptr, kvlen_ptr, split_tokens, num_splits, HQ: tl.constexpr,
+                  D: tl.constexpr, SP: tl.constexpr):
+    """out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge)."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    n = tl.cdiv(tl.load(kvlen_ptr + b), split_tokens)
+    s = tl.arange(0, SP)
+    row = (b * HQ + hq).to(tl.int64) * num_splits
+    lse = tl.load(lse_ptr + row + s, mask=s < n, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    w = tl.exp2(lse - mx)
+    w = w / tl.sum(w, axis=0)
+    d = tl.arange(0, D)
+    o = tl.load(opart_ptr + (row + s)[:, None] * D + d[None, :], mask=(s < n)[:, None], other=0.0)
+    tl.store(out_ptr + (b * HQ + hq).to(tl.int64) * D + d, tl.sum(o * w[:, None], axis=0).to(out_ptr.dtype.element_ty))
+
+
+def _decompress_kernel(pool32, pool16, gstart_ptr, gdesc_ptr, out_ptr, page_ids, H_KV: tl.constexpr,
+                       D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, VERSION: tl.constexpr):
+    """Baseline only: rebuild group (page, h, K|V) into NHD pages (the separate pass the paper avoids)."""
+    page = tl.load(page_ids + tl.program_id(0))
+    h = tl.program_id(1)
+    kv = tl.program_id(2)
+    tok = tl.arange(0, PS)
+    valid = tok < PS
+    NB: tl.constexpr = PS * D // BLOCK
+    if kv == 0:
+        st, dw = _zip_meta(gstart_ptr, gdesc_ptr, page, h, 0, H_KV, NB)
+    else:
+        st, dw = _zip_meta(gstart_ptr, gdesc_ptr, page, h, 1, H_KV, NB)
+    xr, xz = _zip_tile(pool32, pool16, st, dw, valid, tok, D, PS, BLOCK, VERSION, PS)
+    row = ((page.to(tl.int64) * 2 + kv) * PS + tok) * (H_KV * D) + h * D
+    ptrs = out_ptr + row[:, None] + tl.arange(0, D)[None, :]
+    xb = xr.to(tl.int16, bitcast=True) | xz.to(tl.int16, bitcast=True)  # the other tile is +0 on each row
+    tl.store(ptrs, xb.to(tl.bfloat16, bitcast=True))
+
+
+@dataclass
+class DecodePlan:
+    """Everything about one batch that all layers share: page tables, lengths, split sizes, launch config."""
+
+    indptr: torch.Tensor  # int32 [B + 1]
+    indices: torch.Tensor  # int32 [nnz pages]
+    kv_lens: torch.Tensor  # int32 [B]
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    block_size: int
+    version: int
+    num_splits: int
+    pages_per_split: int
+    tile: int
+    num_warps: int
+    num_stages: int
+    sm_scale: float
+    opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D] split outputs
+    lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S] (base 2)
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_HELPERS = ("_zip_meta", "_zip_tile", "_raw_tile")  # called from kernels: the module globals must be jitted first
+_PY = {name: globals()[name] for name in (*_HELPERS, "_decode_kernel", "_merge_kernel", "_decompress_kernel")}
+
+
+@functools.cache
+def _kernels(interpret: bool) -> SimpleNamespace:
+    """JIT on first use, once the TRITON_INTERPRET setting is final (triton reads it at decoration)."""
+    for name in _HELPERS:
+        globals()[name] = triton.jit(_PY[name])
+    return SimpleNamespace(decode=triton.jit(_PY["_decode_kernel"]), merge=triton.jit(_PY["_merge_kernel"]),
+                           decompress=triton.jit(_PY["_decompress_kernel"]))
+
+
+def _k() -> SimpleNamespace:
+    return _kernels(_interpret())
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
+         num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
+         sm_scale: float | None = None, num_splits: int | None = None, tile: int | None = None,
+         num_warps: int = 4, num_stages: int = 1, device: torch.device | str | None = None,
+         waves: float = 4.0) -> DecodePlan:
+    """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
+
+    ``num_splits=None`` splits long contexts so that B * Hkv * splits fills ``waves`` waves of the SMs.
+    """
+    if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= 16:
+        raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported (need an integer 1..16)")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if (page_size * head_dim) % block_size or block_size % head_dim or page_size % (block_size // head_dim):
+        raise ValueError(f"block_size {block_size} must hold whole rows of head_dim {head_dim} and divide a page")
+    if (page_size * head_dim) // block_size not in (1, 2, 4, 8):
+        raise ValueError("a group must hold 1, 2, 4 or 8 blocks")
+    if version not in (1, 2):
+        raise ValueError(f"unknown ZipFusion format version {version}")
+    dev = torch.device(device) if device is not None else kv_indices.device
+    indptr_h = kv_indptr.to("cpu", torch.int64)
+    last_h = kv_last_page_len.to("cpu", torch.int64)
+    npages = indptr_h[1:] - indptr_h[:-1]
+    if bool((npages < 1).any()) or bool((last_h < 1).any()) or bool((last_h > page_size).any()):
+        raise ValueError("every sequence needs at least one page and 1 <= last_page_len <= page_size")
+    kv_lens = (npages - 1) * page_size + last_h
+    batch = int(npages.numel())
+    max_pages = int(npages.max())
+    if tile is None:
+        tile = 64 if head_dim <= 128 else 32
+    tile = max(tile, page_size)
+    ppt = tile // page_size  # pages per tile
+    if num_splits is None:
+        sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 8
+        want = math.ceil(sms * waves / max(1, batch * num_kv_heads))
+        num_splits = max(1, min(want, math.ceil(max_pages / (4 * ppt))))  # a split walks >= 4 tiles
+    num_splits = max(1, min(num_splits, max_pages))
+    pages_per_split = math.ceil(max_pages / num_splits / ppt) * ppt
+    num_splits = math.ceil(max_pages / pages_per_split)
+    p = DecodePlan(
+        indptr=indptr_h.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
+        kv_lens=kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, block_size=block_size, version=version, num_splits=num_splits,
+        pages_per_split=pages_per_split, tile=tile, num_warps=num_warps, num_stages=num_stages,
+        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale,
+    )
+    if num_splits > 1:
+        p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
+        p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
+    return p
+
+
+def _check_q(p: DecodePlan, q: torch.Tensor) -> None:
+    if q.shape != (p.batch, p.num_qo_heads, p.head_dim) or q.dtype != torch.bfloat16 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous bf16 [{p.batch}, {p.num_qo_heads}, {p.head_dim}], got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    if q.device.type != "cuda" and not _interpret():
+        raise RuntimeError("Triton attention needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+
+
+def _launch(p: DecodePlan, q: torch.Tensor, out: torch.Tensor | None, zip_: bool, kv: torch.Tensor,
+            pool32: torch.Tensor, gstart: torch.Tensor, gdesc: torch.Tensor) -> torch.Tensor:
+    _check_q(p, q)
+    out = torch.empty_like(q) if out is None else out
+    split = p.num_splits > 1
+    g = p.group
+    dummy = p.lse if split else out
+    _k().decode[(p.batch, p.num_kv_heads, p.num_splits)](
+        q, out, p.opart if split else dummy, p.lse if split else dummy, p.indptr, p.indices, p.kv_lens,
+        kv, pool32, gstart, gdesc, p.sm_scale * LOG2E, p.pages_per_split, p.num_splits,
+        H_KV=p.num_kv_heads, G=g, GP=max(16, triton.next_power_of_2(g)), D=p.head_dim, PS=p.page_size,
+        TILE=p.tile, BLOCK=p.block_size, ZIP=zip_, VERSION=p.version, SPLIT=split,
+        F32_DOT=_interpret(), num_warps=p.num_warps, num_stages=p.num_stages,
+    )
+    if split:
+        _k().merge[(p.batch, p.num_qo_heads)](
+            p.opart, p.lse, out, p.kv_lens, p.pages_per_split * p.page_size, p.num_splits, HQ=p.num_qo_heads,
+            D=p.head_dim, SP=triton.next_power_of_2(p.num_splits), num_warps=4,
+        )
+    return out
+
+
+def check_tables(p: DecodePlan, pool: torch.Tensor, group_start: torch.Tensor, group_desc: torch.Tensor) -> None:
+    """Refuse storage tables that do not match the plan (shapes, dtypes, alignment)."""
+    nb = p.page_size * p.head_dim // p.block_size
+    if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() % 16 or not pool.is_contiguous():
+        raise ValueError("pool must be a contiguous 1-D uint8 tensor, its length a multiple of 16")
+    if group_start.dtype != torch.int64 or group_start.shape[1:] != (p.num_kv_heads, 2):
+        raise ValueError(f"group_start must be int64 [num_pages, {p.num_kv_heads}, 2]")
+    if group_desc.dtype != torch.uint8 or group_desc.shape != (*group_start.shape, nb):
+        raise ValueError(f"group_desc must be uint8 [num_pages, {p.num_kv_heads}, 2, {nb}]")
+    if not (group_start.is_contiguous() and group_desc.is_contiguous()):
+        raise ValueError("group tables must be contiguous")
+
+
+def run_zip(p: DecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: torch.Tensor,
+            group_desc: torch.Tensor, out: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
+    """Decode attention of one layer over compressed pages; q [B, Hq, D] bf16 -> [B, Hq, D] bf16."""
+    if check:
+        check_tables(p, pool, group_start, group_desc)
+    if pool.numel() >= 1 << 33:
+        raise ValueError("pools of 8 GiB or more need int64 word offsets (not built)")
+    return _launch(p, q, out, True, pool.view(torch.bfloat16), pool.view(torch.int32), group_start, group_desc)
+
+
+def run_raw(p: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same kernel over raw FlashInfer NHD pages kv_cache [num_pages, 2, page_size, Hkv, D] bf16."""
+    if kv_cache.shape[1:] != (2, p.page_size, p.num_kv_heads, p.head_dim) or kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"kv_cache must be bf16 [num_pages, 2, {p.page_size}, {p.num_kv_heads}, {p.head_dim}]")
+    return _launch(p, q, out, False, kv_cache, p.kv_lens, p.kv_lens, p.kv_lens)
+
+
+def decompress_pages(pool: torch.Tensor, group_start: torch.Tensor, group_desc: torch.Tensor, page_size: int,
+                     head_dim: int, block_size: int = 512, version: int = 1, out: torch.Tensor | None = None,
+                     page_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Baseline: pages (all, or ``page_ids``) rebuilt into an NHD buffer [num_pages, 2, page_size, Hkv, D]."""
+    num_pages, hkv = group_start.shape[:2]
+    if out is None:
+        out = torch.empty(num_pages, 2, page_size, hkv, head_dim, dtype=torch.bfloat16, device=pool.device)
+    if page_ids is None:
+        page_ids = torch.arange(num_pages, dtype=torch.int32, device=pool.device)
+    _k().decompress[(page_ids.numel(), hkv, 2)](
+        pool.view(torch.int32), pool.view(torch.bfloat16), group_start, group_desc, out, page_ids.to(torch.int32),
+        H_KV=hkv, D=head_dim,
+        PS=page_size, BLOCK=block_size, VERSION=version, num_warps=4,
+    )
+    return out
+
+
+__all__ = ["DecodePlan", "plan", "run_zip", "run_raw", "decompress_pages", "check_tables"]
