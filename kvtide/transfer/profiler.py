@@ -72,19 +72,23 @@ class SearchSpace:
         return [[d.name, list(d.values), d.numeric] for d in self.dims]
 
 
-def pipeline_space() -> SearchSpace:
-    """Default space over the pipeline grammar (4 transforms x 4 quantizers x 5 widths x 2 groups x 4 codecs)."""
+def pipeline_space(transforms: Sequence[str] = ("none", "delta", "hadamard", "affine"),
+                   quants: Sequence[str] = ("uniform", "kivi", "layer", "mixhq"),
+                   bits: Sequence[int] = (2, 3, 4, 6, 8), groups: Sequence[int] = (32, 64),
+                   codecs: Sequence[str] = ("pack", "zstd", "lz4:l=3", "ans")) -> SearchSpace:
+    """Space over the pipeline grammar; the default is 4 transforms x 4 quantizers x 5 widths x 2 groups x
+    4 codecs (640). Narrower value lists give spaces small enough to enumerate."""
     def render(c: dict[str, Any]) -> str:
         b, g = c["bits"], c["group"]
         q = {"uniform": f"uniform:k={b},v={b},g={g}", "kivi": f"kivi:k={b},v={b},g={g}",
              "layer": f"layer:b={min(8, b + 2)}/{b}/{max(1, b - 1)},g={g}",
              "mixhq": f"mixhq:hi={min(8, 2 * b)},lo={max(1, b // 2)},g={g}"}[c["quant"]]
         return f"{c['transform']}|{q}|{c['codec']}"
-    return SearchSpace([Dimension("transform", ("none", "delta", "hadamard", "affine")),
-                        Dimension("quant", ("uniform", "kivi", "layer", "mixhq")),
-                        Dimension("bits", (2, 3, 4, 6, 8), numeric=True),
-                        Dimension("group", (32, 64), numeric=True),
-                        Dimension("codec", ("pack", "zstd", "lz4:l=3", "ans"))], render)
+    return SearchSpace([Dimension("transform", tuple(transforms)),
+                        Dimension("quant", tuple(quants)),
+                        Dimension("bits", tuple(bits), numeric=True),
+                        Dimension("group", tuple(groups), numeric=True),
+                        Dimension("codec", tuple(codecs))], render)
 
 
 @dataclass
@@ -134,10 +138,14 @@ class ProfilerResult:
 
 class Profiler:
     def __init__(self, space: SearchSpace, evaluate: Evaluate, config: ProfilerConfig,
-                 state_path: str | Path | None = None, on_eval: Callable[[int, Point], None] | None = None) -> None:
+                 state_path: str | Path | None = None, on_eval: Callable[[int, Point], None] | None = None,
+                 progress: bool | str = False, warm_start: Sequence[str] = ()) -> None:
         self.space, self.evaluate, self.cfg = space, evaluate, config
         self.state_path = Path(state_path) if state_path else None
         self.on_eval = on_eval
+        self.progress = progress  # True or a label: a rich progress bar over the evaluations of ``run``
+        self._tick: Callable[[Point], None] | None = None
+        self.warm_start = list(warm_start)  # specs (e.g. published baselines) BO evaluates before its random design
         self.configs = space.configs()
         self.specs = [space.render(c) for c in self.configs]
         self.points: dict[int, Point] = {}
@@ -172,6 +180,8 @@ class Profiler:
             self._save()
             if self.on_eval:
                 self.on_eval(self.calls, self.points[i])
+            if self._tick:
+                self._tick(self.points[i])
         return self.points[i]
 
     def _best(self) -> Point | None:
@@ -180,6 +190,27 @@ class Profiler:
 
     # --- search --------------------------------------------------------------------------------------------
     def run(self) -> ProfilerResult:
+        if not self.progress:
+            return self._run()
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        n = len(self.configs)
+        total = n if self.cfg.mode == "exhaustive" else min(n, self.cfg.max_evals)
+        label = self.progress if isinstance(self.progress, str) else f"profiler ({self.cfg.mode})"
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[last]}"), transient=False) as bar:
+            task = bar.add_task(label, total=max(0, total - len(self.points)), last="")
+
+            def tick(p: Point) -> None:
+                best = self._best()
+                bar.update(task, advance=1, last=f"q={p.quality:.3f} cr={p.ratio:.2f}  best cr="
+                           f"{best.ratio if best else float('nan'):.2f}  {p.spec}")
+            self._tick = tick
+            try:
+                return self._run()
+            finally:
+                self._tick = None
+
+    def _run(self) -> ProfilerResult:
         n = len(self.configs)
         rng = random.Random(self.cfg.seed)
         if self.cfg.mode == "exhaustive":
@@ -212,7 +243,10 @@ class Profiler:
         alive = np.ones(n, bool)
         for i in self.points:
             alive[i] = False
-        init = [i for i in rng.sample(range(n), n) if alive[i]][: max(0, cfg.n_init - len(self.points))]
+        canon = {_canonical(s): i for i, s in enumerate(self.specs)}
+        warm = [canon[c] for c in map(_canonical, self.warm_start) if c in canon and alive[canon[c]]]
+        init = warm + [i for i in rng.sample(range(n), n) if alive[i] and i not in warm][
+            : max(0, cfg.n_init - len(self.points) - len(warm))]
         for i in init:
             self._eval(i)
             alive[i] = False
@@ -284,6 +318,11 @@ class Profiler:
         save_profiles(path, res.pareto, workload=workload, quality_threshold=self.cfg.quality_threshold,
                       evaluated=len(self.points), written=time.strftime("%Y-%m-%dT%H:%M:%S"), **info)
         return res.pareto
+
+
+def _canonical(spec: str) -> str:
+    from .pipeline import Pipeline
+    return Pipeline(spec).to_spec()
 
 
 def measure(spec: str, kv: torch.Tensor, head_scores: torch.Tensor | None = None,

@@ -86,3 +86,10 @@ def test_config_validation():
         ProfilerConfig(0.9, mode="grid")
     with pytest.raises(ValueError):
         Dimension("x", ())
+
+
+def test_bo_warm_start_evaluates_given_specs_first():
+    space, ev, calls = synthetic()
+    seeds = ["hadamard|uniform:k=3,v=3,g=64|ans", "none|uniform:k=2,v=2,g=16|pack", "affine|uniform:k=2,v=2,g=16|pack"]  # last: not in space
+    Profiler(space, ev, ProfilerConfig(0.97, mode="bo", max_evals=8, n_init=4), warm_start=seeds).run()
+    assert calls[:2] == seeds[:2] and len(calls) == 8
