@@ -130,9 +130,9 @@ def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 def part_decode8b(batch: int, context: int, steps: int, preset: str = "llama3-8b", device: str = "cuda",
-                  backend: str = "flashinfer") -> dict:
+                  backend: str = "flashinfer", compress: bool = False) -> dict:
     llm = LLM(f"random:{preset}", progress=False, device=device, dtype="bfloat16", attention_backend=backend,
-              cache=CacheConfig(gpu_memory_utilization=0.92, enable_prefix_caching=False),
+              cache=CacheConfig(gpu_memory_utilization=0.92, enable_prefix_caching=False, compress=compress),
               scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=16384, max_model_len=context + steps + 16))
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
@@ -144,6 +144,7 @@ def part_decode8b(batch: int, context: int, steps: int, preset: str = "llama3-8b
         eng.add_request(p, params)
     t0 = time.perf_counter()
     step_times = []
+    tokens: dict[str, list[int]] = {}
     n_out = 0
     while eng.has_unfinished():
         sync()
@@ -155,24 +156,38 @@ def part_decode8b(batch: int, context: int, steps: int, preset: str = "llama3-8b
         if n_prefill == 0 and n_decode == batch:
             step_times.append(dt)
         n_out += len(outs)
+        for o in outs:
+            if o.finished:
+                tokens[o.request_id] = o.token_ids
     total = time.perf_counter() - t0
+    stats = {k: v for k, v in eng.kv_stats().items() if isinstance(v, (int, float, bool))}
+    num_pages, kv_bpt, preempt = eng.num_pages, eng.model.args.kv_bytes_per_token, eng.scheduler.num_preemptions
+    model_desc = f"random:{preset} (RANDOM weights, bf16): {eng.model.args}"
+    del llm, eng  # give the memory back before a second engine in the same process sizes its KV cache
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     step_times.sort()
     med = step_times[len(step_times) // 2]
     return {
-        "model": f"random:{preset} (RANDOM weights, bf16): {eng.model.args}",
+        "model": model_desc,
         "batch": batch, "context": context, "decode_steps_timed": len(step_times), "page_size": 16,
         "attention_backend": backend + (" (BatchDecodeWithPagedKVCacheWrapper, tensor cores)" if backend == "flashinfer" else ""),
-        "num_pages": eng.num_pages, "kv_bytes_per_token": eng.model.args.kv_bytes_per_token,
+        "num_pages": num_pages, "kv_bytes_per_token": kv_bpt,
         "median_decode_step_ms": med * 1e3, "decode_tokens_per_s": batch / med,
         "mean_decode_step_ms": sum(step_times) / len(step_times) * 1e3,
-        "wall_seconds_incl_prefill": total, "preemptions": eng.scheduler.num_preemptions,
-        "cuda_graphs": False,
+        "wall_seconds_incl_prefill": total, "preemptions": preempt,
+        "cuda_graphs": False, "compress": compress,
+        "kv_stats": stats,
+        "tokens": [tokens[k] for k in sorted(tokens, key=lambda r: int(r.split("-")[1]))],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["real", "decode8b"], required=True)
+    ap.add_argument("--part", choices=["real", "decode8b", "zipcheck"], required=True)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--batch", type=int, default=32)
@@ -189,6 +204,14 @@ def main() -> None:
     if a.part == "real":
         res.update(part_real(a.model, a.max_new))
         print(json.dumps(res["agreement_leading_tokens"]), res["last_logit_rel_err_vs_transformers_cuda_bf16"])
+    elif a.part == "zipcheck":
+        # compress=True (decompress-then-attend through the same backend) against compress=False, same prompts.
+        raw = part_decode8b(a.batch, a.context, a.steps, a.preset, a.device, a.backend, compress=False)
+        zipped = part_decode8b(a.batch, a.context, a.steps, a.preset, a.device, a.backend, compress=True)
+        res.update({"raw": raw, "compressed": zipped, "same_tokens": raw["tokens"] == zipped["tokens"]})
+        print(f"compress on/off same greedy tokens: {res['same_tokens']}; step ms raw {raw['median_decode_step_ms']:.2f}"
+              f" vs compressed {zipped['median_decode_step_ms']:.2f}; K/V ratio {zipped['kv_stats'].get('k_ratio')}"
+              f" / {zipped['kv_stats'].get('v_ratio')}")
     else:
         res.update(part_decode8b(a.batch, a.context, a.steps, a.preset, a.device, a.backend))
         print(f"8B-shape decode, batch {a.batch} x {a.context}: {res['median_decode_step_ms']:.2f} ms/step, "

@@ -106,6 +106,23 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(a)
 
 
+BENCH_SUITES = {"restore": "restore.py"}  # `kvtide bench NAME ...` runs bench/<file>'s main(argv)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / BENCH_SUITES[a.suite]
+    if not path.exists():
+        raise ValueError(f"{path} not found: `kvtide bench` runs from a source checkout")
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"kvtide_bench_{a.suite}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(a.args)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtide", description="kvtide: a KV-cache layer for LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -130,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=40, help="tokens per assistant turn")
     p.add_argument("--turns", type=int, default=4)
     p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmark suites (JSON + PNG under bench/results/); NAME --help for options")
+    p.add_argument("suite", choices=sorted(BENCH_SUITES))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options of the suite")
+    p.set_defaults(fn=cmd_bench)
 
     a = ap.parse_args(argv)
     from .models.registry import ModelNotFoundError

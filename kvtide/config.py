@@ -31,10 +31,17 @@ class CacheConfig:
 
     page_size: int = 16
     num_pages: int | None = None
-    kv_cache_bytes: int | None = None  # default: 1 GiB on CPU, 90% of free memory after weights on CUDA
+    kv_cache_bytes: int | None = None  # default: 256 MiB on CPU, 90% of free memory after weights on CUDA
     kv_dtype: str = "bfloat16"  # DESIGN.md: KV is stored as BF16 even where compute is fp32
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # ZipFusion resident compression (kvtide/cache/zip_pages.py): completed pages stay losslessly compressed
+    # in one chunked pool; the same budget then holds more pages. BF16 KV only.
+    compress: bool = False
+    block_size: int = 512  # values per compression block; must divide page_size * head_dim
+    format_version: int = 1  # 1, or 2 (exact-zero escape blocks)
+    chunk_bytes: int | None = None  # pool chunk size; default: sized from the budget (zip_pages.auto_chunk_bytes)
+    private_chunks: int = 1  # chunks each layer keeps for itself; the rest are shared across layers
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -48,6 +55,17 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_dtype(self.kv_dtype)
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError(f"CacheConfig.block_size must be a positive multiple of 32, got {self.block_size}")
+        if self.format_version not in (1, 2):
+            raise ValueError(f"CacheConfig.format_version must be 1 or 2, got {self.format_version}")
+        if self.chunk_bytes is not None and (self.chunk_bytes <= 0 or self.chunk_bytes % 16):
+            raise ValueError(f"CacheConfig.chunk_bytes must be a positive multiple of 16, got {self.chunk_bytes}")
+        if self.private_chunks < 0:
+            raise ValueError(f"CacheConfig.private_chunks must be >= 0, got {self.private_chunks}")
+        if self.compress and parse_dtype(self.kv_dtype) != torch.bfloat16:
+            raise ValueError(f"CacheConfig.compress needs kv_dtype bfloat16 (the format is lossless BF16), "
+                             f"got kv_dtype '{self.kv_dtype}'")
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
@@ -72,6 +90,35 @@ class SchedulerConfig:
 
 
 @dataclass
+class RestoreConfig:
+    """CacheFlow restoration (kvtide/engine/restoration.py): finished requests' full prefix chunks go to a KV
+    store; a new request whose prefix is in the store but not on the device is restored by plan."""
+
+    store: str = "memory"  # memory | disk:PATH | redis://host:port[/db]
+    memory_bytes: int = 1 << 30  # bound of the in-process tier
+    chunk_tokens: int = 256  # store/plan granularity; a multiple of the page size
+    method: str = "cacheflow"  # cacheflow | recompute | load | cake | layerwise (all on the same executor)
+    bandwidth_gbps: float | None = None  # emulated link on the load path (None: the tier's own speed)
+    max_batch: int = 8  # waiting requests restored (and planned) together
+    write_on_finish: bool = True  # store each finished request's full chunks (prompt + output)
+
+    def __post_init__(self) -> None:
+        from .store.factory import check_spec
+
+        check_spec(self.store)
+        if self.memory_bytes <= 0:
+            raise ValueError(f"RestoreConfig.memory_bytes must be positive, got {self.memory_bytes}")
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"RestoreConfig.chunk_tokens must be positive, got {self.chunk_tokens}")
+        if self.method not in ("cacheflow", "recompute", "load", "cake", "layerwise"):
+            raise ValueError(f"RestoreConfig.method must be cacheflow, recompute, load, cake or layerwise, got '{self.method}'")
+        if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
+            raise ValueError(f"RestoreConfig.bandwidth_gbps must be positive or None, got {self.bandwidth_gbps}")
+        if self.max_batch < 1:
+            raise ValueError(f"RestoreConfig.max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass
 class EngineConfig:
     model: str = "smollm2-135m"
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -80,8 +127,12 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    restore: RestoreConfig | None = None  # None: no KV store, no restoration
 
     def __post_init__(self) -> None:
+        if self.restore is not None and self.restore.chunk_tokens % self.cache.page_size:
+            raise ValueError(f"RestoreConfig.chunk_tokens ({self.restore.chunk_tokens}) must be a multiple of "
+                             f"CacheConfig.page_size ({self.cache.page_size})")
         if not self.model:
             raise ValueError("EngineConfig.model must name a bundled model or a path")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -126,7 +177,7 @@ def _coerce(obj: Any, name: str, raw: str) -> Any:
     current = getattr(obj, name)
     if isinstance(current, bool):
         return raw.lower() in ("1", "true", "yes", "on")
-    if isinstance(current, int) or name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+    if isinstance(current, int) or name in ("num_pages", "kv_cache_bytes", "max_model_len", "chunk_bytes"):
         return int(raw)
     if isinstance(current, float):
         return float(raw)

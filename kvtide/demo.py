@@ -93,8 +93,12 @@ def run_demo(a: argparse.Namespace) -> int:
     con.print(f"prefix cache: {st['prefix_hit_tokens']} of {st['prefix_query_tokens']} prompt tokens served from cached "
               f"pages ({hit:.0%}); {eng.stats.decode_tokens - s0} decode tokens in the batch run; speed-up from batching "
               f"{batched / single:.1f}x")
-    con.print("[dim]not in this demo yet: resident KV compression (ZipFusion), planned restoration (CacheFlow), "
-              "adaptive transfer (KVServe)[/]")
+    from .cache.demo_section import compression_section
+    from .restore.demo_section import restoration_section
+
+    compression_section(a, con, prompts, budget_pages=24)
+    restoration_section(a, con)
+    con.print("[dim]not in this demo yet: the prefill->decode hand-off through the transfer controller (KVServe)[/]")
     return 0
 
 

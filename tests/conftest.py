@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import gc
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -39,14 +41,20 @@ def hf_reference(name: str):
     return model, tok
 
 
-_ENGINES: dict[str, object] = {}
+_ENGINES: OrderedDict[str, object] = OrderedDict()
+MAX_ENGINES = 3  # each holds its weights and KV cache: keep the suite well inside a 24 GiB machine
 
 
 def engine_llm(name: str, **kw):
-    """One LLM per (model, options) for the whole session: loading is the slow part."""
+    """One LLM per (model, options), reused across tests (loading is the slow part); least recently used dropped."""
     from kvtide import LLM
 
     key = f"{name}|{kw!r}"
-    if key not in _ENGINES:
-        _ENGINES[key] = LLM(name, progress=False, **kw)
+    if key in _ENGINES:
+        _ENGINES.move_to_end(key)
+        return _ENGINES[key]
+    while len(_ENGINES) >= MAX_ENGINES:
+        _ENGINES.popitem(last=False)
+        gc.collect()
+    _ENGINES[key] = LLM(name, progress=False, **kw)
     return _ENGINES[key]

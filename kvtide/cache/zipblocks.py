@@ -83,7 +83,8 @@ def offsets_from_starts(starts: torch.Tensor, desc: torch.Tensor, block_size: in
 
 
 def _rows(offsets: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """Indices of the ALIGN-byte rows that blocks at ``offsets`` occupy: [n, nbytes // ALIGN]."""
+    """(Used with index_select/index_copy_, several times faster than 2-D advanced indexing on CPU.)
+    Indices of the ALIGN-byte rows that blocks at ``offsets`` occupy: [n, nbytes // ALIGN]."""
     ar = torch.arange(nbytes // ALIGN, device=offsets.device)
     return (offsets // ALIGN)[:, None] + ar
 
@@ -142,11 +143,11 @@ def pack(bits16: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, out: t
     raw = desc == RAW
     if bool(raw.any()):
         rb = bits16[raw].contiguous().view(torch.uint8).view(-1, raw_nbytes(bsz) // ALIGN, ALIGN)
-        rows[_rows(offsets[raw], raw_nbytes(bsz))] = rb
+        rows.index_copy_(0, _rows(offsets[raw], raw_nbytes(bsz)).reshape(-1), rb.reshape(-1, ALIGN))
     comp = ~raw
     if bool(comp.any()):
         cb = _encode_compressed(_u32(bits16[comp]), desc[comp])
-        rows[_rows(offsets[comp], compressed_nbytes(bsz))] = cb.view(-1, compressed_nbytes(bsz) // ALIGN, ALIGN)
+        rows.index_copy_(0, _rows(offsets[comp], compressed_nbytes(bsz)).reshape(-1), cb.reshape(-1, ALIGN))
 
 
 def _decode_compressed(blob: torch.Tensor, desc: torch.Tensor) -> torch.Tensor:
@@ -174,11 +175,12 @@ def unpack(data: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, block_
     rows = data.view(-1, ALIGN)
     raw = desc == RAW
     if bool(raw.any()):
-        rb = rows[_rows(offsets[raw], raw_nbytes(block_size))]
+        rb = rows.index_select(0, _rows(offsets[raw], raw_nbytes(block_size)).reshape(-1))
         out[raw] = rb.reshape(-1, raw_nbytes(block_size)).view(torch.int16)
     comp = ~raw
     if bool(comp.any()):
-        cb = rows[_rows(offsets[comp], compressed_nbytes(block_size))].reshape(-1, compressed_nbytes(block_size))
+        cb = rows.index_select(0, _rows(offsets[comp], compressed_nbytes(block_size)).reshape(-1))
+        cb = cb.reshape(-1, compressed_nbytes(block_size))
         out[comp] = _decode_compressed(cb, desc[comp])
     return out
 

@@ -3,11 +3,17 @@
 Page ids are indices into the per-layer KV tensors. A full page gets a chained hash (parent hash + its tokens); a
 freed page keeps its hash and contents until it is handed out again, so a later request with the same prefix can
 take it back. Hits are verified against the page's stored tokens, so a hash collision cannot serve wrong KV.
+
+With a `PageStore` (the compressed pool, `kvtide.cache.zip_pages`) page ids are only names: bytes come from the
+store, which says how many new raw pages fit. Then `free` holds only cached pages (their bytes still held, evicted
+LRU-first when bytes run short), a released page without a hash gives its bytes back at once, and `unused` holds
+the ids that own nothing.
 """
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from typing import Protocol
 
 import numpy as np
 
@@ -20,8 +26,22 @@ def page_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
+class PageStore(Protocol):
+    """Byte storage behind page ids (the compressed pool); see kvtide.cache.zip_pages.ZipPagedKV."""
+
+    num_page_ids: int
+
+    def free_pages(self, reserve: bool = True) -> int: ...
+    def alloc_pages(self, pids: list[int]) -> None: ...
+    def release_pages(self, pids: list[int]) -> None: ...
+
+
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 store: PageStore | None = None):
+        self.store = store
+        if store is not None:
+            num_pages = store.num_page_ids
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
@@ -32,13 +52,49 @@ class BlockManager:
         self.page_tokens: list[tuple[int, ...] | None] = [None] * num_pages
         self.hash_to_page: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_pages))  # LRU first
+        self.unused: deque[int] = deque()  # store mode: ids holding no bytes
+        if store is not None:
+            self.free, self.unused = OrderedDict(), deque(range(num_pages))
         self.seq_hashes: dict[str, list[bytes]] = {}  # chained hashes of each sequence's full pages
-        self.stats = {"prefix_queries": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0}
+        self.stats = {"prefix_queries": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0, "evictions": 0}
 
     # ---- capacity -------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
+        """New pages that fit now (store mode: in free bytes, cached pages not counted)."""
+        if self.store is not None:
+            return self.store.free_pages()
         return len(self.free)
+
+    def can_admit(self, hits: list[int], fresh: int, reserve: int) -> bool:
+        """Whether prefix hits plus `fresh` new pages fit with `reserve` pages left for running sequences.
+
+        Store mode evicts cached pages (LRU first, never the hits) until the new pages fit at raw size.
+        """
+        if self.store is None:
+            revived = sum(1 for pid in hits if self.ref_count[pid] == 0)  # hits sitting in the free list
+            return revived + fresh + reserve <= len(self.free)
+        return self._make_room(fresh + reserve, reserve=True, keep=set(hits))
+
+    def _make_room(self, pages: int, reserve: bool, keep: set[int] = frozenset()) -> bool:
+        while self.store.free_pages(reserve) < pages:
+            victim = next((pid for pid in self.free if pid not in keep), None)
+            if victim is None:
+                return False
+            del self.free[victim]
+            self._forget(victim)
+            self.store.release_pages([victim])
+            self.unused.append(victim)
+            self.stats["evictions"] += 1
+        return True
+
+    def _forget(self, pid: int) -> None:
+        old = self.page_hashes[pid]
+        if old is not None:  # evict its cached contents
+            if self.hash_to_page.get(old) == pid:
+                del self.hash_to_page[old]
+            self.page_hashes[pid] = None
+            self.page_tokens[pid] = None
 
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New pages `seq` needs to hold `num_tokens` tokens in all."""
@@ -93,16 +149,20 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s page table to hold `num_tokens` tokens; False (and no change) if pages run out."""
         need = self.pages_needed(seq, num_tokens)
+        if self.store is not None:
+            if need and not self._make_room(need, reserve=False):
+                return False
+            pids = [self.unused.popleft() for _ in range(need)]
+            self.store.alloc_pages(pids)
+            for pid in pids:
+                self.ref_count[pid] = 1
+            seq.pages.extend(pids)
+            return True
         if need > len(self.free):
             return False
         for _ in range(need):
             pid, _ = self.free.popitem(last=False)
-            old = self.page_hashes[pid]
-            if old is not None:  # evict its cached contents
-                if self.hash_to_page.get(old) == pid:
-                    del self.hash_to_page[old]
-                self.page_hashes[pid] = None
-                self.page_tokens[pid] = None
+            self._forget(pid)
             self.ref_count[pid] = 1
             seq.pages.append(pid)
         return True
@@ -129,10 +189,17 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; its pages stay cached (tail first out) until reused."""
+        dropped = []
         for pid in reversed(seq.pages):
             self.ref_count[pid] -= 1
             assert self.ref_count[pid] >= 0, "page reference count went negative"
             if self.ref_count[pid] == 0:
-                self.free[pid] = None
+                if self.store is not None and self.page_hashes[pid] is None:
+                    dropped.append(pid)  # nothing to reuse it for: give its bytes back now
+                else:
+                    self.free[pid] = None
+        if dropped:
+            self.store.release_pages(dropped)
+            self.unused.extend(dropped)
         seq.pages = []
         self.seq_hashes.pop(seq.request_id, None)

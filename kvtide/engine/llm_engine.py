@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.zip_pages import ZipGeometry, ZipPagedKV
 from ..config import EngineConfig
 from ..models.loader import load_model
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .restoration import make_restorer
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -56,16 +58,26 @@ class LLMEngine:
                                  self.model.rope_cos.shape[0])
         cache = config.cache
         page_bytes = ModelRunner.page_bytes(args, cache.page_size, cache.torch_kv_dtype)
-        num_pages = cache.num_pages or max(1, self._kv_budget(device) // page_bytes)
-        self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend)
-        self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching)
+        if cache.num_pages is None:
+            budget = self._kv_budget(device)
+            if budget < 2 * page_bytes:
+                raise ValueError(f"no room for the KV cache: the budget is {budget / 2**20:.0f} MiB but one page takes "
+                                 f"{page_bytes / 2**20:.2f} MiB (free device memory after the weights is too small; "
+                                 "set CacheConfig.kv_cache_bytes or num_pages, or free memory)")
+        num_pages = cache.num_pages or budget // page_bytes
+        self.store = self._make_store(num_pages * page_bytes, device) if cache.compress else None
+        self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend,
+                                  store=self.store)
+        self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, store=self.store)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         # A sequence may never outgrow the whole cache, or it would preempt itself forever.
-        self.max_seq_len = min(self.max_model_len, num_pages * cache.page_size)
+        fit = num_pages if self.store is None else self.store.free_pages()
+        self.max_seq_len = min(self.max_model_len, fit * cache.page_size)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
+        self.restorer = make_restorer(self)  # CacheFlow restoration from a KV store (config.restore)
 
     def _kv_budget(self, device: torch.device) -> int:
         cache = self.config.cache
@@ -74,11 +86,29 @@ class LLMEngine:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             return int(free - (1 - cache.gpu_memory_utilization) * total)
-        return 1 << 30
+        return 256 << 20  # CPU: ~11k tokens of SmolLM2 KV, ~21k of Qwen2.5-0.5B (bf16)
+
+    def _make_store(self, budget: int, device: torch.device) -> ZipPagedKV:
+        """The compressed pool over the same byte budget the fixed cache would take."""
+        a, c = self.model.args, self.config.cache
+        geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, c.page_size, c.block_size, c.format_version)
+        return ZipPagedKV(geo, budget, device, chunk_bytes=c.chunk_bytes, private_chunks=c.private_chunks)
 
     @property
     def num_pages(self) -> int:
-        return self.block_manager.num_pages
+        """Pages the cache holds uncompressed (page ids can be more with compression: see kv_stats)."""
+        return self.block_manager.num_pages if self.store is None else self.store.raw_capacity_pages
+
+    def kv_stats(self) -> dict:
+        """KV cache figures: compression ratio of K and V (stored / raw bytes of completed pages held),
+        pages compressed, capacity in pages with and without compression, pool waste (compress=True)."""
+        if self.store is None:
+            n = self.block_manager.num_pages
+            return {"compress": False, "k_ratio": 1.0, "v_ratio": 1.0, "pages_compressed_total": 0,
+                    "pages_held": n - len(self.block_manager.free), "free_pages": len(self.block_manager.free),
+                    "capacity_pages": n, "capacity_pages_uncompressed": n}
+        return {**self.store.stats(), "prefix_evictions": self.block_manager.stats["evictions"],
+                "preemptions": self.scheduler.num_preemptions}
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -130,14 +160,17 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns an output for every request that made visible progress."""
+        restored = self.restorer.step() if self.restorer is not None else []
         plan = self.scheduler.schedule()
         if not plan.batch:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
-            return []
+            return restored
         t0 = time.perf_counter()
         tokens = self.runner.execute(plan.batch, [s.generator for s, _ in plan.batch])
         dt = time.perf_counter() - t0
+        if self.restorer is not None:
+            self.restorer.observe_step(plan.batch, dt)
         n_prefill = sum(n for s, n in plan.batch if n > 1 or s.num_computed_tokens < s.num_prompt_tokens)
         n_decode = plan.num_tokens - n_prefill
         self.stats.steps += 1
@@ -160,7 +193,7 @@ class LLMEngine:
             out = self._append_token(seq, next(it), now)
             if out is not None:
                 outputs.append(out)
-        return outputs
+        return restored + outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
         p = seq.params
@@ -185,6 +218,8 @@ class LLMEngine:
             seq.status = Status.FINISHED
             seq.finish_reason = reason
             seq.finish_time = now
+            if self.restorer is not None:
+                self.restorer.on_finish(seq)
             self.scheduler.finish(seq)
             self.seqs.pop(seq.request_id, None)
         # Hold back a possible stop-string prefix until it is decided.

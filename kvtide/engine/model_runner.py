@@ -3,19 +3,29 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.zip_pages import ZipPagedKV
 from ..models.llama import CausalLM
 from .attention import BatchLayout, make_backend
+from .zip_backend import make_zip_backend
 from .sampler import sample
 from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_pages: int, page_size: int, kv_dtype: torch.dtype, backend: str):
+    """KV lives either in fixed per-layer tensors or, with `store` (compress=True), in the compressed pool."""
+
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, kv_dtype: torch.dtype, backend: str,
+                 store: ZipPagedKV | None = None):
         a = model.args
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = page_size
         self.num_pages = num_pages
+        self.store = store
+        if store is not None:
+            self.kv_caches: list[torch.Tensor] = []
+            self.attention = make_zip_backend(backend, store, a.num_heads, a.num_kv_heads, a.head_dim, page_size)
+            return
         # One tensor per layer in FlashInfer's NHD layout: [num_pages, 2 (K, V), page_size, kv_heads, head_dim].
         self.kv_caches = [
             torch.zeros(num_pages, 2, page_size, a.num_kv_heads, a.head_dim, dtype=kv_dtype, device=self.device)
@@ -65,6 +75,10 @@ class ModelRunner:
             self.attention,
             logit_rows=rows,
         )
+        if self.store is not None:  # the step's attention reads are done: compress the pages it filled
+            p = self.page_size
+            self.store.compress([pid for seq, n in batch
+                                 for pid in seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
         if not sampling:
             return []
         return sample(logits, [batch[i][0].params for i in sampling], [generators[i] for i in sampling])

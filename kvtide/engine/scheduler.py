@@ -62,9 +62,8 @@ class Scheduler:
             hits = self.bm.match_prefix(seq)
             computed = len(hits) * self.bm.page_size
             n = min(seq.num_tokens - computed, budget)
-            revived = sum(1 for pid in hits if self.bm.ref_count[pid] == 0)  # hits sitting in the free list
             fresh = max(0, -(-(computed + n) // self.bm.page_size) - len(hits))
-            if revived + fresh + len(self.running) > self.bm.num_free_pages:
+            if not self.bm.can_admit(hits, fresh, reserve=len(self.running)):
                 break
             self.waiting.popleft()
             self.bm.admit(seq, hits)

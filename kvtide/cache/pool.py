@@ -1,0 +1,214 @@
+"""Chunk allocator for the compressed KV pool: per-layer slabs of fixed-size slots, chunks shared across layers.
+
+The pool's bytes are cut into equal chunks. A chunk is either free or owned by one layer and one *size
+class*; an owned chunk is cut into equal slots of its class's size. Classes are the sizes a group can take:
+class k = a group with k compressed blocks (k = 0 .. blocks per group), ``slot_bytes[k] = raw - k * B / 2``.
+Class 0 (the raw size) holds both pages being written and groups that stayed all-raw after compression.
+
+Why slabs: every slot in a chunk has one size, so allocation and freeing are O(1) list operations with no
+search and no compaction, a freed slot is reused by the next group of the same layer and class, and the
+only waste is measurable at any time (``stats``): free slots of compressed classes inside owned chunks (a
+partly used chunk per layer and class), the chunk tail that a slot size does not divide, and groups compressed
+in place (counted by the store). Free raw slots are not waste: new pages take them first. A chunk
+that empties returns at once (reads only happen inside a step, frees only between steps or after its
+reads): to its layer's private list if it is one of the layer's private chunks, else to the shared list.
+
+Capacity (``new_pages_fit``): how many new pages fit across all layers at their raw size, i.e. how many
+times every layer can still get ``groups_per_page`` class-0 slots: from free class-0 slots of its own,
+then its free private chunks, then shared chunks, which all layers compete for. With ``reserve=True``
+(the figure the scheduler admits by) one chunk is also held back for each (layer, compressed class) slab
+that has no free slot, since the next compression may open it; allocation of growth pages may use them
+(``reserve=False``): compression then finishes in place rather than fail.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import zipblocks as zb
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Sizes that fix the allocator: all bytes, all multiples of 16 (zipblocks.ALIGN)."""
+
+    num_layers: int
+    groups_per_page: int  # per layer: kv_heads * 2 (K and V)
+    blocks_per_group: int
+    block_size: int  # values per block
+    chunk_bytes: int
+    num_chunks: int
+    private_chunks: int  # per layer
+
+    def __post_init__(self) -> None:
+        if self.num_chunks < self.num_layers * self.private_chunks:
+            raise ValueError(f"{self.num_chunks} chunks cannot give {self.num_layers} layers "
+                             f"{self.private_chunks} private chunk(s) each; raise the KV budget or lower private_chunks")
+        if self.chunk_bytes % zb.ALIGN or self.chunk_bytes < self.slot_bytes(0):
+            raise ValueError(f"chunk_bytes {self.chunk_bytes} must be a multiple of {zb.ALIGN} holding a raw group "
+                             f"({self.slot_bytes(0)} B)")
+
+    @property
+    def num_classes(self) -> int:
+        return self.blocks_per_group + 1
+
+    def slot_bytes(self, k: int) -> int:
+        """Bytes of a group with k compressed blocks."""
+        return self.blocks_per_group * zb.raw_nbytes(self.block_size) - k * (self.block_size // 2)
+
+    def slots_per_chunk(self, k: int) -> int:
+        return self.chunk_bytes // self.slot_bytes(k)
+
+
+class ChunkPool:
+    """Bookkeeping only (host side): hands out byte offsets of slots; the bytes live in the caller's tensor."""
+
+    def __init__(self, geo: PoolGeometry):
+        self.geo = geo
+        n, nl = geo.num_chunks, geo.num_layers
+        self.owner = np.full(n, -1, dtype=np.int64)  # layer owning each chunk, -1 free
+        self.klass = np.full(n, -1, dtype=np.int64)
+        self.used = np.zeros(n, dtype=np.int64)  # slots in use per chunk
+        self.private_of = np.full(n, -1, dtype=np.int64)  # layer a chunk is private to, -1 shared
+        self.slot_free: list[list[int]] = [[] for _ in range(n)]  # free slot indices of owned chunks
+        # Private chunks: the first private_chunks * num_layers chunks, layer-major.
+        self.private_free: list[list[int]] = []
+        for layer in range(nl):
+            ids = list(range(layer * geo.private_chunks, (layer + 1) * geo.private_chunks))
+            self.private_of[ids] = layer
+            self.private_free.append(ids[::-1])
+        self.shared_free: list[int] = list(range(nl * geo.private_chunks, n))[::-1]
+        # Non-full chunks of each (layer, class), and free class-0 slots per layer (for capacity).
+        self.open: list[list[set[int]]] = [[set() for _ in range(geo.num_classes)] for _ in range(nl)]
+        self.raw_free_slots = np.zeros(nl, dtype=np.int64)
+        self.chunks_returned = 0  # chunks that emptied and went back to a free list
+        self.shared_reuses = 0  # shared chunks taken by a layer other than the one that last held them
+        self.last_owner = np.full(n, -1, dtype=np.int64)
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take_chunk(self, layer: int, k: int) -> int | None:
+        if self.private_free[layer]:
+            c = self.private_free[layer].pop()
+        elif self.shared_free:
+            c = self.shared_free.pop()
+            if self.last_owner[c] not in (-1, layer):
+                self.shared_reuses += 1
+        else:
+            return None
+        self.owner[c], self.klass[c], self.used[c] = layer, k, 0
+        self.last_owner[c] = layer
+        self.slot_free[c] = list(range(self.geo.slots_per_chunk(k)))[::-1]
+        self.open[layer][k].add(c)
+        if k == 0:
+            self.raw_free_slots[layer] += len(self.slot_free[c])
+        return c
+
+    def alloc(self, layer: int, k: int, count: int) -> np.ndarray:
+        """Byte offsets of up to ``count`` slots of class k for ``layer`` (fewer if the pool runs dry)."""
+        out: list[int] = []
+        size = self.geo.slot_bytes(k)
+        cb = self.geo.chunk_bytes
+        while len(out) < count:
+            chunks = self.open[layer][k]
+            c = max(chunks, key=lambda i: self.used[i]) if chunks else self._take_chunk(layer, k)
+            if c is None:
+                break
+            free = self.slot_free[c]
+            take = min(count - len(out), len(free))
+            slots = free[len(free) - take:]
+            del free[len(free) - take:]
+            out.extend(c * cb + s * size for s in reversed(slots))
+            self.used[c] += take
+            if k == 0:
+                self.raw_free_slots[layer] -= take
+            if not free:
+                chunks.discard(c)
+        return np.asarray(out, dtype=np.int64)
+
+    def free(self, offsets: np.ndarray) -> None:
+        """Give back slots by their byte offsets (any layers and classes)."""
+        cb = self.geo.chunk_bytes
+        for off in np.asarray(offsets, dtype=np.int64).ravel().tolist():
+            c = off // cb
+            layer, k = int(self.owner[c]), int(self.klass[c])
+            assert layer >= 0, "freeing a slot of a free chunk"
+            self.slot_free[c].append((off - c * cb) // self.geo.slot_bytes(k))
+            self.used[c] -= 1
+            self.open[layer][k].add(c)
+            if k == 0:
+                self.raw_free_slots[layer] += 1
+            if self.used[c] == 0:
+                self._return_chunk(c)
+
+    def _return_chunk(self, c: int) -> None:
+        layer, k = int(self.owner[c]), int(self.klass[c])
+        self.open[layer][k].discard(c)
+        if k == 0:
+            self.raw_free_slots[layer] -= len(self.slot_free[c])
+        self.slot_free[c] = []
+        self.owner[c] = self.klass[c] = -1
+        self.chunks_returned += 1
+        if self.private_of[c] >= 0:
+            self.private_free[self.private_of[c]].append(c)
+        else:
+            self.shared_free.append(c)
+
+    # ---- capacity -----------------------------------------------------------------------------
+    def _reserved_per_layer(self) -> np.ndarray:
+        """Per layer: compressed-class slabs with no free slot (each may need one chunk at the next compression)."""
+        return np.array([sum(1 for k in range(1, self.geo.num_classes) if not self.open[l][k])
+                         for l in range(self.geo.num_layers)], dtype=np.int64)
+
+    def new_pages_fit(self, reserve: bool = True) -> int:
+        """How many new raw pages (``groups_per_page`` class-0 slots in every layer) fit now."""
+        g = self.geo
+        s0 = g.slots_per_chunk(0)
+        priv = np.array([len(p) for p in self.private_free], dtype=np.int64)
+        extra = self._reserved_per_layer() if reserve else np.zeros(g.num_layers, dtype=np.int64)
+        shared = len(self.shared_free)
+
+        def fits(n: int) -> bool:
+            need_slots = np.maximum(0, n * g.groups_per_page - self.raw_free_slots)
+            chunks = -(-need_slots // s0) + extra
+            return int(np.maximum(0, chunks - priv).sum()) <= shared
+
+        if not fits(0):
+            return 0
+        lo = 0
+        hi = int((shared + priv.sum()) * s0 // g.groups_per_page + self.raw_free_slots.max() // g.groups_per_page) + 1
+        while lo < hi:  # largest n with fits(n); fits is monotone in n
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Chunk counts and waste. Free class-0 slots are not waste (new pages use them: they count in
+        ``new_pages_fit``); free slots of compressed classes and chunk tails are, until compression fills them."""
+        g = self.geo
+        owned = self.owner >= 0
+        free_slot = [0] * g.num_classes
+        tail_bytes = 0
+        for c in np.nonzero(owned)[0].tolist():
+            k = int(self.klass[c])
+            free_slot[k] += len(self.slot_free[c]) * g.slot_bytes(k)
+            tail_bytes += g.chunk_bytes - g.slots_per_chunk(k) * g.slot_bytes(k)
+        total = g.num_chunks * g.chunk_bytes
+        waste = sum(free_slot[1:]) + tail_bytes
+        return {
+            "chunk_bytes": g.chunk_bytes,
+            "num_chunks": g.num_chunks,
+            "chunks_owned": int(owned.sum()),
+            "chunks_shared_free": len(self.shared_free),
+            "chunks_private_free": sum(len(p) for p in self.private_free),
+            "chunks_returned": self.chunks_returned,
+            "shared_chunk_reuses_across_layers": self.shared_reuses,
+            "free_raw_slot_bytes": free_slot[0],
+            "free_compressed_slot_bytes": sum(free_slot[1:]),
+            "chunk_tail_bytes": tail_bytes,
+            "fragmentation": waste / total if total else 0.0,
+        }

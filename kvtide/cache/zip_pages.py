@@ -1,0 +1,312 @@
+"""Compressed paged KV storage (ZipFusion III-B, III-D): one byte pool per device, lookup tables per layer.
+
+STORAGE CONTRACT (what attention backends and kernels read; keep to it exactly)
+-------------------------------------------------------------------------------
+* ``pool``: ONE contiguous uint8 tensor per device holding every KV byte of every layer (view it as int16 or
+  int32 for wide loads; its length is a multiple of 16). It is cut into chunks of ``chunk_bytes``; a chunk
+  belongs to one layer at a time (see :mod:`kvtide.cache.pool`).
+* A *group* is (layer, page, kv_head, K|V): ``page_size x head_dim`` BF16 values in [token, dim] order
+  (value index = token * head_dim + dim), cut into ``blocks_per_group`` blocks of ``block_size`` values
+  (``block_size`` divides ``page_size * head_dim``; head_dim 64, page 16, block 512 -> 2 blocks of 8 tokens).
+* ``group_start[layer]``: int64 [num_page_ids, kv_heads, 2] byte offset in ``pool`` of the group's first
+  block (index 0 = K, 1 = V), 16-byte aligned. ``group_desc[layer]``: uint8 [num_page_ids, kv_heads, 2,
+  blocks_per_group], the format's descriptors (:mod:`kvtide.cache.zipformat`; ``0xFF`` = raw block,
+  else compressed with base 2 * desc; version 2 adds ``0x80 | b/2`` zero-escape blocks). Both tables are
+  also whole tensors (``group_start_all`` [L, ...], ``group_desc_all`` [L, ...]) indexed by layer first.
+* The blocks of a group follow each other from its start: block j is at start + sum of the sizes of
+  blocks 0..j-1 (raw 2 * block_size bytes, compressed 1.5 * block_size bytes), the in-block byte
+  arrangement being zipformat's. A raw group is therefore just its 2 * page_size * head_dim bytes of BF16
+  values in [token, dim] order.
+* Indexing is by the engine's page id, which never changes; entries of pages not held are stale (0 / 0xFF)
+  and must not be read. ``format_version`` says which descriptors may appear.
+* Life of a page: allocated RAW (all descriptors 0xFF, all values +0.0) in every layer; new tokens' K/V are written into its
+  raw bytes (``write``). When it fills, ``compress`` (called after the step's attention reads) re-encodes it
+  into a new place of its size class and frees the raw bytes; groups whose blocks all stayed raw keep their
+  place; if no destination is free the group is compressed in place (through a staging copy, since
+  ``zipblocks.pack`` must not alias its source). No uncompressed copy of a compressed page remains.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import zipblocks as zb
+from . import zipformat as zf
+from .pool import ChunkPool, PoolGeometry
+
+RAW, COMPRESSED, ABSENT = 0, 1, -1
+
+
+@dataclass(frozen=True)
+class ZipGeometry:
+    """Model and format shape of the store; checked here so a bad config fails before memory is taken."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    block_size: int = 512
+    format_version: int = zf.FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        zf._check_version(self.format_version)
+        zf._check_block_size(self.block_size)
+        if self.group_values % self.block_size:
+            raise ValueError(f"CacheConfig.block_size {self.block_size} does not divide a page group of "
+                             f"page_size x head_dim = {self.page_size} x {self.head_dim} = {self.group_values} values")
+
+    @property
+    def group_values(self) -> int:
+        return self.page_size * self.head_dim
+
+    @property
+    def blocks_per_group(self) -> int:
+        return self.group_values // self.block_size
+
+    @property
+    def groups_per_page(self) -> int:
+        return self.num_kv_heads * 2
+
+    @property
+    def raw_group_bytes(self) -> int:
+        return self.group_values * 2
+
+    @property
+    def raw_page_bytes(self) -> int:
+        """One page across all layers, uncompressed (what the fixed-tensor cache spends on it)."""
+        return self.num_layers * self.groups_per_page * self.raw_group_bytes
+
+
+def auto_chunk_bytes(geo: ZipGeometry, budget: int) -> int:
+    """Chunks of about 4..256 raw groups: small enough that each (layer, class) slab's partly used chunk
+    stays a small share of the budget (about 1/16 in all), large enough to keep bookkeeping cheap.
+    The size is a multiple of both the raw and the fully compressed slot (no tail in the two classes
+    nearly all groups take), and of every class's slot when that fits the target."""
+    nb, classes = geo.blocks_per_group, geo.blocks_per_group + 1
+    slots = int(min(256, max(4, budget // (geo.raw_group_bytes * geo.num_layers * classes * 16))))
+    unit = geo.block_size // 2  # every slot size is a whole number of half blocks
+    target = slots * geo.raw_group_bytes // unit
+    step = 12 * nb  # lcm(4 nb, 3 nb): raw and fully compressed slots
+    target = max(step, target - target % step)
+    common = math.lcm(*(4 * nb - k for k in range(classes)))
+    if common <= target:
+        target -= target % common
+    return target * unit
+
+
+class ZipPagedKV:
+    """The pool, the lookup tables, and the operations the engine needs: allocate/free pages, write new
+    tokens, compress filled pages, rebuild pages as BF16, capacity and statistics."""
+
+    def __init__(self, geo: ZipGeometry, budget_bytes: int, device: torch.device | str = "cpu",
+                 chunk_bytes: int | None = None, private_chunks: int = 1):
+        self.geo = geo
+        self.device = torch.device(device)
+        chunk_bytes = chunk_bytes or auto_chunk_bytes(geo, budget_bytes)
+        num_chunks = budget_bytes // chunk_bytes
+        if num_chunks < 1:
+            raise ValueError(f"KV budget {budget_bytes} B is smaller than one chunk ({chunk_bytes} B)")
+        self.alloc = ChunkPool(PoolGeometry(geo.num_layers, geo.groups_per_page, geo.blocks_per_group,
+                                            geo.block_size, chunk_bytes, num_chunks, private_chunks))
+        self.pool = torch.zeros(num_chunks * chunk_bytes, dtype=torch.uint8, device=self.device)
+        self._pool16 = self.pool.view(torch.int16)
+        # Page ids: enough for a pool full of fully compressed pages.
+        min_page = geo.num_layers * geo.groups_per_page * geo.blocks_per_group * zb.compressed_nbytes(geo.block_size)
+        self.num_page_ids = max(1, self.pool.numel() // min_page)
+        shape = (geo.num_layers, self.num_page_ids, geo.num_kv_heads, 2)
+        self.group_start_all = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        self.group_desc_all = torch.full(shape + (geo.blocks_per_group,), zb.RAW, dtype=torch.uint8, device=self.device)
+        self.group_start = list(self.group_start_all.unbind(0))
+        self.group_desc = list(self.group_desc_all.unbind(0))
+        self._starts_host = np.zeros(shape, dtype=np.int64)  # mirror, for freeing without a device sync
+        self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
+        self._value_idx = torch.arange(geo.group_values, device=self.device)
+        self.counters = {"pages_compressed": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
+                         "k_stored_bytes": 0, "v_stored_bytes": 0, "k_raw_bytes": 0, "v_raw_bytes": 0}
+
+    @property
+    def block_size(self) -> int:
+        return self.geo.block_size
+
+    @property
+    def format_version(self) -> int:
+        return self.geo.format_version
+
+    @property
+    def raw_capacity_pages(self) -> int:
+        """Pages the same bytes hold without compression (the fixed-tensor cache's figure)."""
+        return self.pool.numel() // self.geo.raw_page_bytes
+
+    # ---- capacity and page life -------------------------------------------------------------------
+    def free_pages(self, reserve: bool = True) -> int:
+        """New pages that fit now at their raw size across all layers (see ChunkPool.new_pages_fit)."""
+        return self.alloc.new_pages_fit(reserve)
+
+    def alloc_pages(self, pids: list[int]) -> None:
+        """Give each page raw slots in every layer; the caller checked ``free_pages(reserve=False)``."""
+        if not pids:
+            return
+        g = self.geo
+        n = len(pids) * g.groups_per_page
+        taken = [self.alloc.alloc(layer, 0, n) for layer in range(g.num_layers)]
+        if any(len(offs) < n for offs in taken):
+            self.alloc.free(np.concatenate(taken))
+            raise MemoryError("KV pool ran out while allocating pages (capacity check skipped?)")
+        for layer, offs in enumerate(taken):
+            self._starts_host[layer, pids] = offs.reshape(len(pids), g.num_kv_heads, 2)
+        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
+        starts = torch.from_numpy(self._starts_host[:, pids]).to(self.device)
+        self.group_start_all[:, idx] = starts
+        self.group_desc_all[:, idx] = zb.RAW
+        # Zero the new raw groups: slots hold a previous owner's bytes (compressed codes read as BF16 can be
+        # NaN), and readers that load whole pages mask the unwritten tail, which 0 * NaN would defeat.
+        self._pool16[((starts // 2)[..., None] + self._value_idx).reshape(-1)] = 0
+        self.state[pids] = RAW
+
+    def release_pages(self, pids: list[int]) -> None:
+        """Free every byte the pages hold, in all layers."""
+        if not pids:
+            return
+        assert (self.state[pids] != ABSENT).all(), "releasing a page that holds no storage"
+        comp = [p for p in pids if self.state[p] == COMPRESSED]
+        if comp:
+            self._count_stored(comp, -1)
+        self.alloc.free(self._starts_host[:, pids])
+        self.state[pids] = ABSENT
+
+    # ---- data path -------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' K/V ([T, kv_heads, head_dim]) into their (raw) pages; slot = page * page_size + offset."""
+        g = self.geo
+        pages = slot_mapping // g.page_size
+        offs = slot_mapping % g.page_size
+        starts = self.group_start[layer][pages]  # [T, H, 2]
+        idx = (starts // 2 + (offs * g.head_dim)[:, None, None])[..., None] + self._value_idx[: g.head_dim]
+        vals = torch.stack([k, v], dim=2).to(torch.bfloat16).view(torch.int16)  # [T, H, 2, D]
+        self._pool16[idx.reshape(-1)] = vals.reshape(-1)
+
+    def read_pages(self, layer: int, pids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """BF16 [n, 2, page_size, kv_heads, head_dim] (the dense cache's layout) of pages ``pids`` in ``layer``."""
+        g = self.geo
+        n = pids.numel()
+        starts = self.group_start[layer][pids].reshape(-1)
+        desc = self.group_desc[layer][pids].reshape(-1, g.blocks_per_group)
+        offsets = zb.offsets_from_starts(starts, desc, g.block_size)
+        bits = zb.unpack(self.pool, desc, offsets, g.block_size)
+        vals = bits.view(torch.bfloat16).view(n, g.num_kv_heads, 2, g.page_size, g.head_dim).permute(0, 2, 3, 1, 4)
+        if out is None:
+            return vals.contiguous()
+        out.copy_(vals)
+        return out
+
+    def compress(self, pids: list[int]) -> None:
+        """Compress filled raw pages (after the step's attention reads): every layer, K and V, in one pass."""
+        pids = [p for p in pids if self.state[p] == RAW]
+        if not pids:
+            return
+        g = self.geo
+        nb, bsz = g.blocks_per_group, g.block_size
+        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
+        old = self.group_start_all[:, idx]  # [L, n, H, 2]
+        # Staging copy of the raw groups: pack may then write anywhere, the groups' own slots included.
+        src = self._pool16[(old // 2)[..., None] + self._value_idx]  # [L, n, H, 2, PD]
+        blocks = src.reshape(-1, bsz)
+        desc = self._analyze(blocks).view(*old.shape, nb)
+        ncomp = (desc != zb.RAW).sum(-1)  # class of each group
+        cls = ncomp.cpu().numpy()
+        old_h = self._starts_host[:, pids]
+        new_h = old_h.copy()
+        for layer in range(g.num_layers):
+            self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1), new_h[layer].reshape(-1))
+        new = torch.from_numpy(new_h).to(self.device)
+        packed = torch.from_numpy(cls > 0).to(self.device)
+        if bool(packed.any()):
+            pdesc = desc[packed]  # [m, nb]
+            offsets = zb.offsets_from_starts(new[packed], pdesc, bsz)
+            self._pack(src[packed].reshape(-1, bsz), pdesc, offsets)
+        self.group_start_all[:, idx] = new
+        self.group_desc_all[:, idx] = desc
+        self._starts_host[:, pids] = new_h
+        self.state[pids] = COMPRESSED
+        self.counters["pages_compressed"] += len(pids)
+        self._count_stored(pids, +1)
+
+    def _place(self, layer: int, cls: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+        """Destinations for one layer's groups of class ``cls`` now at ``old``, written into ``new`` (a view).
+
+        Groups go raw chunk by raw chunk, and each raw slot is freed as soon as its group has a destination,
+        so a chunk emptied by one batch can take the next batch's compressed groups: a nearly full pool still
+        compresses. The data is safe meanwhile: every source is already in the staging copy.
+        """
+        todo = np.nonzero(cls > 0)[0]
+        if not len(todo):
+            return
+        chunk = old[todo] // self.alloc.geo.chunk_bytes
+        todo = todo[np.argsort(chunk, kind="stable")]
+        cuts = np.nonzero(np.diff(np.sort(chunk)))[0] + 1
+        for seg in np.split(todo, cuts):
+            for k in np.unique(cls[seg]).tolist():
+                sel = seg[cls[seg] == k]
+                offs = self.alloc.alloc(layer, k, len(sel))
+                got = sel[: len(offs)]
+                new[got] = offs
+                self.alloc.free(old[got])
+                if len(offs) < len(sel):  # no destination left: compress in place (the raw slot keeps its size)
+                    n = len(sel) - len(offs)
+                    self.counters["groups_in_place"] += n
+                    self.counters["in_place_waste_bytes"] += n * (self.geo.raw_group_bytes - self.alloc.geo.slot_bytes(k))
+
+    def _analyze(self, blocks: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            from ..kernels import zip_encode
+
+            return zip_encode.analyze(blocks.view(torch.bfloat16), self.geo.block_size, self.geo.format_version).view(-1)
+        return zb.analyze(blocks, self.geo.format_version)
+
+    def _pack(self, blocks: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            from ..kernels import zip_encode
+
+            zip_encode.pack(blocks.view(torch.bfloat16).reshape(desc.shape[0], -1), desc, offsets, self.pool,
+                            self.geo.block_size)
+        else:
+            zb.pack(blocks, desc.reshape(-1), offsets.reshape(-1), self.pool)
+
+    # ---- statistics ------------------------------------------------------------------------------
+    def _count_stored(self, pids: list[int], sign: int) -> None:
+        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
+        sizes = zb.block_sizes(self.group_desc_all[:, idx], self.geo.block_size)  # [L, n, H, 2, nb]
+        per_kind = sizes.sum(dim=(0, 1, 2, 4)).tolist()
+        raw = len(pids) * self.geo.num_layers * self.geo.num_kv_heads * self.geo.raw_group_bytes
+        for kind, stored in zip("kv", per_kind):
+            self.counters[f"{kind}_stored_bytes"] += sign * int(stored)
+            self.counters[f"{kind}_raw_bytes"] += sign * raw
+
+    def stats(self) -> dict:
+        """Compression ratios of the compressed pages held now (stored / raw bytes; lower is better),
+        pages by state, capacity in pages with and without compression, and the allocator's waste."""
+        c = self.counters
+        held = int((self.state != ABSENT).sum())
+        fit = self.free_pages()
+        ratio = {kind: (c[f"{kind}_stored_bytes"] / c[f"{kind}_raw_bytes"]) if c[f"{kind}_raw_bytes"] else 1.0
+                 for kind in "kv"}
+        return {
+            "compress": True,
+            "format_version": self.geo.format_version,
+            "block_size": self.geo.block_size,
+            "k_ratio": ratio["k"],
+            "v_ratio": ratio["v"],
+            "pages_held": held,
+            "pages_compressed_held": int((self.state == COMPRESSED).sum()),
+            "pages_compressed_total": c["pages_compressed"],
+            "groups_in_place": c["groups_in_place"],
+            "in_place_waste_bytes": c["in_place_waste_bytes"],
+            "free_pages": fit,
+            "capacity_pages": held + fit,
+            "capacity_pages_uncompressed": self.raw_capacity_pages,
+            "pool_bytes": self.pool.numel(),
+            **self.alloc.stats(),
+        }

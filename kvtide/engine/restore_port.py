@@ -1,0 +1,74 @@
+"""The executor's model interface over the engine's runner: run one layer over row segments, place loaded K/V.
+
+Works with both KV layouts the runner has: fixed per-layer tensors, and the compressed pool (compress=True),
+where writes go through the pool's own ``write`` and reads through ``read_pages``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..kernels.paged_attention_ref import write_kv
+from ..restore.executor import Segment
+from .attention import BatchLayout
+from .model_runner import ModelRunner
+from .sequence import Sequence as Seq
+
+
+class EnginePort:
+    """``ModelPort`` for a batch of sequences whose pages are already allocated for all their tokens."""
+
+    def __init__(self, runner: ModelRunner, seqs: Sequence[Seq]):
+        self.runner = runner
+        self.model = runner.model
+        self.num_layers = runner.model.args.num_layers
+        self.device = runner.device
+        self.page_size = runner.page_size
+        self.seqs = list(seqs)
+        self._pages = [torch.tensor(s.pages, dtype=torch.long, device=self.device) for s in self.seqs]
+        self._ids = [torch.tensor(s.token_ids, dtype=torch.long, device=self.device) for s in self.seqs]
+
+    def slots(self, r: int, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end, device=self.device)
+        return self._pages[r][pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def run_layer(self, layer: int, h: torch.Tensor | None, segments: Sequence[Segment]) -> torch.Tensor:
+        segs = list(segments)
+        layout = BatchLayout(
+            q_lens=[s.length for s in segs],
+            kv_lens=[s.end for s in segs],
+            block_tables=[self.seqs[s.request].pages for s in segs],
+            slot_mapping=torch.cat([self.slots(s.request, s.start, s.end) for s in segs]),
+            page_size=self.page_size,
+        )
+        positions = torch.cat([torch.arange(s.start, s.end, device=self.device) for s in segs])
+        ids = torch.cat([self._ids[s.request][s.start:s.end] for s in segs])
+        attn = self.runner.attention
+        attn.plan(layout)
+        return self.model.hidden_states(ids, positions, attn, layers=range(layer, layer + 1), h=h)
+
+    def write_kv(self, layer: int, request: int, start: int, kv: torch.Tensor) -> None:
+        slots = self.slots(request, start, start + kv.shape[1])
+        if self.runner.store is not None:
+            self.runner.store.write(layer, kv[0], kv[1], slots)
+        else:
+            write_kv(self.runner.kv_caches[layer], kv[0], kv[1], slots)
+
+    def kv_entry_shape(self) -> tuple[int, int]:
+        a = self.model.args
+        return a.num_kv_heads, a.head_dim
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h)
+
+
+def read_chunk_kv(runner: ModelRunner, layer: int, page_ids: list[int]) -> torch.Tensor:
+    """[2, len(page_ids) * page_size, kv_heads, head_dim] of one layer, copied to the CPU (pages may be reused)."""
+    idx = torch.tensor(page_ids, dtype=torch.long, device=runner.device)
+    if runner.store is not None:
+        pages = runner.store.read_pages(layer, idx)
+    else:
+        pages = runner.kv_caches[layer].index_select(0, idx)
+    n, _, p, hk, d = pages.shape
+    return pages.permute(1, 0, 2, 3, 4).reshape(2, n * p, hk, d).to("cpu", copy=True)

@@ -1,0 +1,84 @@
+"""Background writes of finished requests' KV chunks, so serialising and checksumming stay off the step loop.
+
+The caller copies the KV out of its pages first (pages may be reused at once); the writer only encodes and
+stores. A tier that fails (Redis down, disk full) costs the write, counted, never the request. Until an entry
+is written a lookup simply misses it, which means recompute: correct, only slower.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvtide.store.base import StoreError
+from kvtide.store.keys import ChunkKey
+
+
+@dataclass
+class WriterStats:
+    entries: int = 0
+    bytes: int = 0
+    failures: int = 0
+
+
+class StoreWriter:
+    """One daemon thread draining a queue of (key, tokens, [per-layer KV]) chunks in layer order."""
+
+    def __init__(self, store: Any, max_queue: int = 1024) -> None:
+        self.store = store
+        self.stats = WriterStats()
+        self._q: queue.Queue[tuple[ChunkKey, Sequence[int], list[torch.Tensor]] | None] = queue.Queue(max_queue)
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvtide-store-writer", daemon=True)
+        self._thread.start()
+        # Stop the thread before interpreter teardown (a daemon thread inside torch at exit can abort the process).
+        ref = weakref.ref(self)
+        atexit.register(lambda: (w := ref()) is not None and w.close())
+
+    def pending(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key.hex in self._pending
+
+    def submit(self, key: ChunkKey, tokens: Sequence[int], layers: list[torch.Tensor]) -> None:
+        """Queue one chunk (``layers[i]`` = [2, C, kv_heads, head_dim] of layer i). Blocks when the queue is full."""
+        with self._lock:
+            self._pending.add(key.hex)
+        self._q.put((key, list(tokens), layers))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                key, tokens, layers = item
+                # Layer order matters: a reader that sees the last layer knows the whole chunk is there.
+                for i, kv in enumerate(layers):
+                    try:
+                        self.stats.bytes += self.store.put(key, i, tokens, kv)
+                        self.stats.entries += 1
+                    except (StoreError, OSError, ValueError):
+                        self.stats.failures += 1
+                        break
+                with self._lock:
+                    self._pending.discard(key.hex)
+            finally:
+                self._q.task_done()
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is written (or failed)."""
+        self._q.join()
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self.flush()
+        self._q.put(None)
+        self._thread.join(timeout=5)

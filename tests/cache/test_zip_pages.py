@@ -1,0 +1,163 @@
+"""Compressed paged storage without a model: bit-exact round trips, in-place compression, chunk sharing, capacity."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtide.cache import zipblocks as zb
+from kvtide.cache.pool import ChunkPool, PoolGeometry
+from kvtide.cache.zip_pages import COMPRESSED, ZipGeometry, ZipPagedKV
+from kvtide.config import CacheConfig
+
+GEO = ZipGeometry(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16)
+
+
+def kv_like(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """K: first page with an all-zero channel (v1 refuses it, v2 escapes it), last page with an outlier
+    channel (incompressible), the rest narrow; V narrow (always compressible)."""
+    shape = (t, GEO.num_kv_heads, GEO.head_dim)
+    k = narrow(shape, gen).float()
+    k[: GEO.page_size, :, 5] = 0.0
+    k[-GEO.page_size:, :, 3] *= 1e6
+    return k.to(torch.bfloat16), narrow(shape, gen)
+
+
+def narrow(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Values whose exponents span less than 16 in every block: always compressible."""
+    x = (torch.rand(shape, generator=gen) * 0.9 + 0.1) * (torch.randint(0, 2, shape, generator=gen) * 2 - 1)
+    return x.to(torch.bfloat16)
+
+
+def fill(store: ZipPagedKV, pids: list[int], seed: int = 0) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    store.alloc_pages(pids)
+    slots = torch.tensor([p * GEO.page_size + o for p in pids for o in range(GEO.page_size)])
+    written = {}
+    for layer in range(GEO.num_layers):
+        k, v = kv_like(len(slots), gen)
+        for chunk in torch.arange(len(slots)).split(5):  # a few tokens per write, like decode steps
+            store.write(layer, k[chunk], v[chunk], slots[chunk])
+        written[layer] = (k, v)
+    return written
+
+
+def assert_exact(store: ZipPagedKV, pids: list[int], written) -> None:
+    for layer, (k, v) in written.items():
+        got = store.read_pages(layer, torch.tensor(pids))  # [n, 2, P, H, D]
+        assert torch.equal(got[:, 0].reshape(k.shape).view(torch.int16), k.view(torch.int16))
+        assert torch.equal(got[:, 1].reshape(v.shape).view(torch.int16), v.view(torch.int16))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_write_compress_read_is_bit_exact_and_frees_raw_bytes(version):
+    geo = ZipGeometry(3, 2, 64, 16, format_version=version)
+    store = ZipPagedKV(geo, budget_bytes=40 * geo.raw_page_bytes)
+    pids = [0, 5, 7, 9]
+    empty = store.free_pages(reserve=False)
+    assert empty >= store.raw_capacity_pages - 1  # chunk granularity may cost one page
+    written = fill(store, pids)
+    assert_exact(store, pids, written)
+    before = store.alloc.stats()["chunks_owned"]
+    store.compress(pids)
+    assert (store.state[pids] == COMPRESSED).all()
+    assert_exact(store, pids, written)
+    desc = store.group_desc_all[:, pids]
+    assert (desc == zb.RAW).any() and (desc != zb.RAW).any(), "expect mixed raw and compressed blocks"
+    if version == 2:
+        assert ((desc & zb.ESCAPE != 0) & (desc != zb.RAW)).any(), "v2 should code the zero-laden key blocks"
+    s = store.stats()
+    assert s["v_ratio"] == pytest.approx(0.75) and 0.75 < s["k_ratio"] < 1.0
+    # no uncompressed copy remains: every held group's bytes are accounted for by its class slot
+    assert store.alloc.stats()["chunks_owned"] <= before + geo.num_layers * geo.blocks_per_group
+    store.release_pages(pids)
+    assert store.alloc.stats()["chunks_owned"] == 0, "emptied chunks must go back"
+    assert store.free_pages(reserve=False) == empty
+
+
+def test_group_tables_follow_the_contract():
+    """A kernel that only knows pool, group_start and group_desc finds every block (zipformat's decoder)."""
+    store = ZipPagedKV(GEO, budget_bytes=20 * GEO.raw_page_bytes)
+    pids = [2, 3]
+    written = fill(store, pids, seed=4)
+    store.compress(pids)
+    for layer, (k, _) in written.items():
+        start = store.group_start[layer][pids][:, :, 0].reshape(-1)  # K groups of both pages, both heads
+        desc = store.group_desc[layer][pids][:, :, 0].reshape(-1, GEO.blocks_per_group)
+        assert (start % zb.ALIGN == 0).all()
+        offsets = zb.offsets_from_starts(start, desc, GEO.block_size)
+        vals = zb.unpack(store.pool, desc, offsets, GEO.block_size).view(2, GEO.num_kv_heads, GEO.page_size, GEO.head_dim)
+        expect = k.view(2, GEO.page_size, GEO.num_kv_heads, GEO.head_dim).transpose(1, 2)  # [page, head, token, dim]
+        assert torch.equal(vals.view(torch.int16), expect.contiguous().view(torch.int16))
+
+
+def test_compression_finishes_in_place_when_no_destination_is_free():
+    chunk = GEO.raw_group_bytes * 4
+    budget = GEO.num_layers * chunk * 2  # room for 8 raw groups per layer = 2 pages, nothing spare
+    store = ZipPagedKV(GEO, budget, chunk_bytes=chunk, private_chunks=2)
+    assert store.free_pages(reserve=False) == 2
+    written = fill(store, [0, 1])
+    store.compress([0, 1])
+    assert store.counters["groups_in_place"] > 0
+    assert (store.state[[0, 1]] == COMPRESSED).all()
+    assert_exact(store, [0, 1], written)
+    store.release_pages([0, 1])
+    assert store.free_pages(reserve=False) == 2
+
+
+def test_emptied_chunk_returns_to_shared_list_and_serves_another_layer():
+    geo = PoolGeometry(num_layers=2, groups_per_page=4, blocks_per_group=2, block_size=512, chunk_bytes=4 * 2048,
+                       num_chunks=3, private_chunks=0)
+    pool = ChunkPool(geo)
+    a = pool.alloc(0, 2, 5)  # layer 0, fully compressed groups: 5 slots of 1536 B fill one 8 KiB chunk
+    assert len(a) == 5 and len({o // geo.chunk_bytes for o in a}) == 1
+    chunk = int(a[0]) // geo.chunk_bytes
+    pool.free(a)
+    assert pool.stats()["chunks_returned"] == 1 and chunk in pool.shared_free
+    b = pool.alloc(1, 0, 12)  # layer 1 takes all three chunks, the freed one included
+    assert len(b) == 12 and chunk in {o // geo.chunk_bytes for o in b}
+    assert pool.stats()["shared_chunk_reuses_across_layers"] >= 1
+    assert len(pool.alloc(0, 0, 1)) == 0, "the pool is dry: no slot may be invented"
+
+
+def test_capacity_counts_all_layers_and_never_overpromises():
+    store = ZipPagedKV(GEO, budget_bytes=30 * GEO.raw_page_bytes)
+    n = store.free_pages(reserve=False)
+    assert n <= store.raw_capacity_pages and store.free_pages() <= n
+    store.alloc_pages(list(range(n)))  # exactly what was promised fits
+    assert store.free_pages(reserve=False) == 0
+    with pytest.raises(MemoryError):
+        store.alloc_pages([n])
+    assert store.free_pages(reserve=False) == 0, "a failed allocation must leave nothing behind"
+
+
+def test_capacity_grows_as_pages_compress():
+    store = ZipPagedKV(GEO, budget_bytes=64 * GEO.raw_page_bytes)
+    gen = torch.Generator().manual_seed(1)
+    pid = 0
+    while store.free_pages() > 0:  # fill the pool with narrow (compressible) pages, compressing each
+        store.alloc_pages([pid])
+        slots = torch.arange(pid * GEO.page_size, (pid + 1) * GEO.page_size)
+        for layer in range(GEO.num_layers):
+            k = narrow((GEO.page_size, GEO.num_kv_heads, GEO.head_dim), gen)
+            store.write(layer, k, k, slots)
+        store.compress([pid])
+        pid += 1
+    s = store.stats()
+    assert s["pages_held"] == pid
+    assert pid >= 1.25 * store.raw_capacity_pages, s  # 0.75 bytes per page (1.33x), less the reserved chunks
+    assert s["k_ratio"] == s["v_ratio"] == 0.75
+
+
+def test_bad_geometry_and_config_fail_fast():
+    with pytest.raises(ValueError, match="block_size 384 does not divide"):
+        ZipGeometry(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, block_size=384)
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(compress=True, block_size=100)
+    with pytest.raises(ValueError, match="compress needs kv_dtype bfloat16"):
+        CacheConfig(compress=True, kv_dtype="float32")
+    with pytest.raises(ValueError, match="format_version"):
+        CacheConfig(compress=True, format_version=3)
+    with pytest.raises(ValueError, match="private"):
+        ZipPagedKV(GEO, budget_bytes=2 * GEO.raw_page_bytes, chunk_bytes=GEO.raw_page_bytes, private_chunks=1)
+    assert np.isfinite(CacheConfig().block_size)

@@ -1,0 +1,132 @@
+"""The engine with compress=True: same greedy tokens as the fixed cache, pool bytes equal to the KV written,
+admission by the pool's capacity with preemption instead of crashes, capacity that grows with compression."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtide import CacheConfig, SamplingParams, SchedulerConfig
+from kvtide.cache.zip_pages import COMPRESSED, ZipGeometry, ZipPagedKV
+from tests.conftest import engine_llm
+
+SMOL = "smollm2-135m"
+QWEN = "qwen2.5-coder-0.5b"
+# Openings no other test uses, so the shared fixed-cache engine has no prefix hits for them.
+PROMPTS = [
+    "Zebras in the savanna gather near the water hole at dusk because",
+    "import heapq\n\ndef k_smallest(values, k):\n    \"\"\"Return the k smallest values in order.\"\"\"\n",
+    "Quarterly report, section two: the warehouse in Lyon shipped",
+    "Yesterday's weather in Oslo was",
+]
+PREAMBLE = "Zoning notes shared by every question below, repeated so that it spans whole pages. " * 2
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def zip_llm(**cache_kw):
+    return engine_llm(SMOL, cache=CacheConfig(compress=True, **cache_kw))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The same requests, in the same order, on the fixed cache and on the compressed one."""
+    out = {}
+    for name, llm in (("dense", engine_llm(SMOL)), ("zip", zip_llm(num_pages=96))):
+        batch = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        first = llm.generate(PREAMBLE + "Question one:", GREEDY)[0]
+        second = llm.generate(PREAMBLE + "Question two, a little different:", GREEDY)[0]
+        out[name] = (llm, batch, first, second)
+    return out
+
+
+def test_greedy_tokens_equal_with_and_without_compression(runs):
+    _, batch_d, first_d, second_d = runs["dense"]
+    llm, batch_z, first_z, second_z = runs["zip"]
+    assert batch_z == batch_d
+    assert first_z.token_ids == first_d.token_ids
+    assert second_z.num_cached_tokens >= 16, "the preamble should come from cached (compressed) pages"
+    assert second_z.token_ids == second_d.token_ids
+    s = llm.engine.kv_stats()
+    assert s["pages_compressed_total"] > 0 and s["groups_in_place"] == 0
+    assert 0.75 <= s["k_ratio"] < 0.95 and 0.75 <= s["v_ratio"] < 0.9, s
+
+
+def test_pool_bytes_decode_to_exactly_the_kv_written(runs):
+    dense, zipped = runs["dense"][0].engine, runs["zip"][0].engine
+    store = zipped.store
+    pairs = [(pz, dense.block_manager.hash_to_page[h]) for h, pz in zipped.block_manager.hash_to_page.items()
+             if h in dense.block_manager.hash_to_page]
+    assert len(pairs) >= 8
+    pz = torch.tensor([p for p, _ in pairs])
+    pd = torch.tensor([p for _, p in pairs])
+    assert (store.state[pz.numpy()] == COMPRESSED).all()
+    for layer in range(zipped.model.args.num_layers):
+        got = store.read_pages(layer, pz)
+        assert torch.equal(got.view(torch.int16), dense.runner.kv_caches[layer][pd].view(torch.int16)), layer
+    assert (store.group_desc_all[:, pz] != 0xFF).float().mean() > 0.7  # most blocks are really compressed
+
+
+def small_llm():
+    """A pool of 4 raw pages and 8-token steps: chunked prefill, queueing and preemption all happen."""
+    return engine_llm(SMOL, cache=CacheConfig(compress=True, num_pages=4),
+                      scheduler=SchedulerConfig(max_num_batched_tokens=8))
+
+
+def test_small_pool_preempts_and_chunked_prefill_keeps_tokens(runs):
+    ref = runs["dense"][1]
+    llm = small_llm()
+    before = llm.engine.scheduler.num_preemptions
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY)
+    assert [o.token_ids for o in outs] == [ref[0], ref[2]]
+    assert llm.engine.scheduler.num_preemptions > before, "two 2-page requests in a 2-3 page pool must preempt"
+
+
+def test_long_requests_fill_the_pool_without_over_commit():
+    llm = small_llm()
+    eng = llm.engine
+    text = "Yaks and llamas carry loads across the high passes; " * 3
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    rids = [eng.add_request(f"Trip {i}. {text}", params) for i in range(4)]
+    done, peak = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():  # a MemoryError here would be an over-commit
+            if out.finished:
+                done[out.request_id] = out
+        peak = max(peak, len(eng.scheduler.running))
+        running_pages = sum(len(s.pages) for s in eng.scheduler.running)
+        assert running_pages <= eng.kv_stats()["capacity_pages"]
+    assert sorted(done) == sorted(rids) and all(len(o.token_ids) == 3 for o in done.values())
+    assert peak < 4, "the pool cannot hold all four at once: admission must queue or preempt them"
+    s = eng.kv_stats()
+    assert s["pages_held"] == s["pages_compressed_held"] > 0, "finished requests leave compressed cached pages"
+    assert s["preemptions"] == eng.scheduler.num_preemptions
+
+
+def test_capacity_grows_with_compression_on_real_kv(runs):
+    """Real pages of the fixed cache, written into a fresh pool until it is full: more pages than raw fit."""
+    dense = runs["dense"][0].engine
+    pids = sorted(dense.block_manager.hash_to_page.values())
+    a = dense.model.args
+    geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, 16)
+    store = ZipPagedKV(geo, budget_bytes=48 * geo.raw_page_bytes)
+    slots = torch.arange(16)
+    n = 0
+    while store.free_pages() > 0:
+        store.alloc_pages([n])
+        src = pids[n % len(pids)]
+        for layer in range(a.num_layers):
+            kv = dense.runner.kv_caches[layer][src]  # [2, page, heads, dim]
+            store.write(layer, kv[0], kv[1], slots + n * 16)
+        store.compress([n])
+        n += 1
+    s = store.stats()
+    assert s["pages_held"] == n > 1.15 * store.raw_capacity_pages, s
+    assert s["capacity_pages"] > s["capacity_pages_uncompressed"]
+
+
+def test_qwen_greedy_tokens_equal_with_and_without_compression():
+    prompt = ["# Parse a CSV line into fields, honouring quotes\ndef parse_csv_line(line: str) -> list[str]:\n"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    zipped = engine_llm(QWEN, cache=CacheConfig(compress=True, num_pages=16))
+    dense = engine_llm(QWEN, cache=CacheConfig(num_pages=16))
+    assert zipped.generate(prompt, params)[0].token_ids == dense.generate(prompt, params)[0].token_ids
+    assert zipped.engine.kv_stats()["pages_compressed_total"] >= 1
