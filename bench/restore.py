@@ -73,21 +73,15 @@ class Bench:
     # ---- plumbing -----------------------------------------------------------------------------------------
     def set_link(self, g: float | None) -> None:
         """Emulated link of ``g`` Gbps (None: unthrottled memory tier); the bandwidth estimate starts over."""
-        self.r.store = self.inner if g is None else BandwidthLimitedStore.at_gbps(self.inner, g)
-        self.r.writer.store = self.inner
+        link = self.inner if g is None else BandwidthLimitedStore.at_gbps(self.inner, g)
+        self.r.use_store(link, writes=self.inner)  # reads cross the link; finished chunks are written past it
         self.r.cfg.bandwidth_gbps = g
-        self.r.profile._bandwidth = None
+        self.r.profile.reset_bandwidth()
 
-    def fresh_store(self, data=None) -> None:
+    def fresh_store(self, snapshot: MemoryStore | None = None) -> None:
         self.r.writer.flush()
-        store = MemoryStore(self.a.store_gb << 30)
-        if data is not None:
-            store._data = data.copy()
-            store._used = sum(len(v) for v in data.values())
-        self.inner = store
-        self.r.writer.store = store
-        self.r.store = store
-        self.r._known.clear()
+        self.inner = snapshot.copy() if snapshot is not None else MemoryStore(self.a.store_gb << 30)
+        self.r.use_store(self.inner)
 
     def populate(self, prompts: list[list[int]]) -> None:
         """Prefill each prompt once (untimed): its full chunks go to the store at finish."""
@@ -165,7 +159,7 @@ class Bench:
         self.fresh_store()
         self.set_link(None)
         self.populate(prefixes_to_preload(reqs, a.block_tokens))
-        snapshot = self.inner._data.copy()
+        snapshot = self.inner.copy()
         # Offered load: a fraction of the recompute-only service rate (service time from the learned profile).
         L, F = self.r.num_layers, self.r.profile
         dec = self.decode_step

@@ -88,6 +88,19 @@ class BlockManager:
             self.stats["evictions"] += 1
         return True
 
+    def evict_cached(self) -> int:
+        """Drop every cached page no sequence holds (what memory pressure does); returns how many."""
+        n = 0
+        for pid in [p for p in self.free if self.page_hashes[p] is not None]:
+            self._forget(pid)
+            n += 1
+            if self.store is not None:  # store mode: a free page holds bytes only while it is cached
+                del self.free[pid]
+                self.store.release_pages([pid])
+                self.unused.append(pid)
+        self.stats["evictions"] += n
+        return n
+
     def _forget(self, pid: int) -> None:
         old = self.page_hashes[pid]
         if old is not None:  # evict its cached contents

@@ -107,6 +107,16 @@ class Restorer:
         self._known: OrderedDict[str, None] = OrderedDict()  # chunk keys written or restored lately
         self._no_restore: set[str] = set()  # request ids sent back to plain prefill
 
+    def use_store(self, store: Any, writes: Any | None = None) -> None:
+        """Switch to another store (benchmarks, tests) and forget what the old one held. Finished requests'
+        chunks go to `writes` (default: the same store; a bench writes past its emulated link)."""
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = StoreWriter(writes if writes is not None else store) if self.cfg.write_on_finish else None
+        self.store = store
+        self._known.clear()
+        self._no_restore.clear()
+
     # ---- bookkeeping hooks called by the engine ------------------------------------------------------
     def observe_step(self, batch: list[tuple[Sequence, int]], seconds: float) -> None:
         """F(t) from the prefills the engine runs anyway: one sequence, from position 0, t tokens, L blocks."""

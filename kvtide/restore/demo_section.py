@@ -15,10 +15,7 @@ from typing import Any
 
 def _forget_device_prefixes(engine: Any) -> None:
     """Drop every cached-but-unused page from the device prefix cache (as eviction would)."""
-    bm = engine.block_manager
-    for pid in list(bm.free):
-        if bm.page_hashes[pid] is not None:
-            bm._forget(pid)
+    engine.block_manager.evict_cached()
 
 
 def _staircase_summary(js: list[int]) -> str:
@@ -68,7 +65,7 @@ def restoration_section(a: argparse.Namespace, con: Any) -> None:
         _forget_device_prefixes(eng)
         r.cfg.method = method
         r.store = BandwidthLimitedStore(inner, TokenBucket(link))  # a fresh, idle link per run
-        r.profile._bandwidth = None
+        r.profile.reset_bandwidth()
         r.cfg.bandwidth_gbps = link * 8 / 1e9
         t0 = time.perf_counter()
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=a.max_tokens))[0]

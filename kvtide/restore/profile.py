@@ -125,6 +125,11 @@ class LatencyProfile:
             self._bandwidth = bw if self._bandwidth is None else a * bw + (1 - a) * self._bandwidth
             self._load_observations += 1
 
+    def reset_bandwidth(self) -> None:
+        """Forget the load-bandwidth estimate (the link changed); F(t) is kept."""
+        with self._lock:
+            self._bandwidth = None
+
     @property
     def bandwidth(self) -> float | None:
         """Bytes per second (EWMA), or None before any load was observed."""

@@ -23,6 +23,14 @@ class MemoryStore(KVStore):
         self._used = 0
         self._lock = threading.Lock()
 
+    def copy(self) -> "MemoryStore":
+        """An independent store holding the same entries (a snapshot to replay a workload from)."""
+        out = MemoryStore(self.capacity_bytes, self.drop_bad)
+        with self._lock:
+            out._data = self._data.copy()
+            out._used = self._used
+        return out
+
     @property
     def used_bytes(self) -> int:
         return self._used

@@ -10,7 +10,6 @@ from kvtide.engine.llm import LLM
 from kvtide.engine.restoration import RestoreStats
 from kvtide.restore.planner import Plan
 from kvtide.store import MemoryStore, StoreUnavailable
-from kvtide.store.writer import StoreWriter
 
 CHUNK = 32
 _LLMS: dict[str, LLM] = {}
@@ -38,12 +37,7 @@ def restore_llm(model: str = "smollm2-135m", kv_dtype: str = "float32", prefix_c
 def fresh_store(llm: LLM, store: Any | None = None) -> Any:
     """Give the engine's restorer an empty store (and writer, stats) so tests do not see each other's chunks."""
     r = llm.engine.restorer
-    if r.writer is not None:
-        r.writer.close()
-    r.store = store if store is not None else MemoryStore(256 << 20)
-    r.writer = StoreWriter(r.store)
-    r._known.clear()
-    r._no_restore.clear()
+    r.use_store(store if store is not None else MemoryStore(256 << 20))
     r.stats = RestoreStats()
     return r.store
 
