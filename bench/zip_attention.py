@@ -1,11 +1,18 @@
 """H200 benchmark: ZipFusion decode attention (Triton) vs FlashInfer tensor-core decode vs our raw kernel
 vs decompress-then-FlashInfer, at the Llama-3.1-8B attention shape (32 q heads, 8 KV heads, d=128, page 16).
 
-KV is synthetic with the exponent statistics measured on the bundled real models (DESIGN.md: keys ~79% of
-512-value blocks compressible under v1, mostly failing on exact zeros; values ~93%): Gaussian values with
-log-normal per-channel key scales and exact zeros put into a chosen fraction of blocks. Weights play no part.
-Each batch entry has its own pages, scattered through the pool by a random page table. L2 is cleared between
-calls (do_bench). Usage: python bench/zip_attention.py --out $OUT/zip_attention.json
+KV (``--real-kv``, the default for reported runs) is tiled from real KV of the bundled models: ``--capture``
+(run on the CPU) runs SmolLM2-135M and Qwen2.5-Coder-0.5B in bf16 over a prose and a code window and saves
+every (layer, KV head) stream of K and V; each stream's head_dim-64 rows are paired ([T, 64] -> [T/2, 128], two
+consecutive tokens per row), so a 512-value block of the 8B shape (4 rows x 128) holds exactly the 8 tokens x 64
+values of one real-model block and the compressible fraction of the tiled KV is the real one (it is reported).
+Pages take random 16-row groups of these streams. Without ``--real-kv`` the KV is synthetic (Gaussian,
+log-normal key channel scales, exact zeros in a chosen fraction of blocks). Weights play no part. Each batch
+entry has its own pages, scattered through the pool by a random page table. L2 is cleared between calls
+(do_bench).
+
+    python bench/zip_attention.py --capture bench/data/real_kv.safetensors         # CPU, ~2 min
+    python bench/zip_attention.py --real-kv bench/data/real_kv.safetensors --out $OUT/zip_attention.json
 """
 
 from __future__ import annotations
@@ -29,10 +36,16 @@ from kvtide.kernels import zip_attention_ref as zr  # noqa: E402
 from kvtide.kernels import zip_encode as ze  # noqa: E402
 
 HQ, HKV, D, PS, BLOCK = 32, 8, 128, 16, 512
-CONFIGS = {  # (tile tokens, warps, stages, waves for the split heuristic); each kernel tuned per shape
-    "raw": [(32, 4, 1, 4), (64, 4, 1, 4), (64, 4, 2, 4), (128, 8, 1, 4), (32, 4, 1, 2)],
-    "zip": [(16, 2, 1, 4), (16, 4, 1, 4), (16, 2, 2, 4), (16, 4, 2, 4), (16, 4, 3, 4), (16, 1, 1, 4),
-            (16, 2, 1, 8), (16, 4, 2, 8)],  # the zip kernel walks one page per step (tile = page)
+# (tile tokens, warps, stages, waves for the split heuristic[, zip mode, prefetch, trans, late_v, maxnreg]); the best
+# per shape is timed again against FlashInfer
+CONFIGS = {
+    "raw": [(32, 4, 1, 4), (64, 4, 1, 4), (64, 4, 2, 4), (128, 8, 1, 4), (32, 4, 1, 2), (32, 4, 1, 4, 0, 1, 1),
+            (64, 4, 2, 4, 0, 1, 1)],
+    # the zip kernel walks one page per step (tile = page); see zip_attention._zip_load for the modes
+    "zip": [(16, 1, 1, 4, 1, 0, 0), (16, 1, 1, 4, 1, 0, 1), (16, 2, 1, 4, 1, 0, 1), (16, 1, 1, 4, 1, 0, 1, 1),
+            (16, 1, 1, 2, 1, 0, 1, 1), (16, 1, 1, 8, 1, 0, 1, 1), (16, 2, 1, 4, 1, 0, 1, 1), (16, 2, 1, 8, 1, 0, 1, 1),
+            (16, 1, 1, 4, 1, 0, 1, 1, 128), (16, 1, 1, 8, 1, 0, 1, 1, 128), (16, 1, 1, 4, 1, 0, 1, 0, 168),
+            (16, 1, 1, 4, 2, 0, 1, 1), (16, 2, 1, 4, 2, 0, 1, 1), (16, 4, 1, 4, 1, 0, 1, 1)],
 }
 
 
@@ -57,6 +70,47 @@ def synth_kv(pages: int, k_zero_frac: float, v_zero_frac: float, gen: torch.Gene
     return kv
 
 
+def capture(path: str, tokens: int) -> None:
+    """Real KV rows of both bundled models (CPU, bf16 compute) as [rows, 128] K and V streams."""
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from zip_format import MODELS, capture_kv  # noqa: E402
+
+    k_rows, v_rows, info = [], [], {}
+    for name in MODELS:
+        shape, kv = capture_kv(name, "cpu", tokens)
+        if shape["head_dim"] * 2 != D:
+            raise SystemExit(f"{name}: head_dim {shape['head_dim']} cannot be paired into {D}")
+        for layer in kv:  # [pages, 2, PS, Hkv, 64] of two texts, pages in order within each text
+            x = layer.permute(1, 3, 0, 2, 4).reshape(2, layer.shape[3], -1, shape["head_dim"])  # [2, H, T, 64]
+            x = x.reshape(2, x.shape[1], -1, D)  # two consecutive tokens per row
+            k_rows.append(x[0].reshape(-1, D))
+            v_rows.append(x[1].reshape(-1, D))
+        info[name] = shape
+    k, v = torch.cat(k_rows).contiguous(), torch.cat(v_rows).contiguous()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file({"k_rows": k, "v_rows": v}, path, metadata={"models": json.dumps(info)})
+    print(f"saved {k.shape[0]} K and V rows of 128 values to {path}")
+
+
+def real_kv(path: str, pages: int, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """NHD bf16 [pages, 2, PS, HKV, D] on the GPU from random 16-row groups of the captured real streams."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        k = f.get_tensor("k_rows").cuda()
+        v = f.get_tensor("v_rows").cuda()
+        info = json.loads(f.metadata()["models"])
+    ngroups = k.shape[0] // PS  # each stream holds pages x 8 rows (even page counts): no group spans two streams
+    kg, vg = k[: ngroups * PS].view(ngroups, PS, D), v[: ngroups * PS].view(ngroups, PS, D)
+    pick = torch.randint(0, ngroups, (pages, HKV), device="cuda", generator=gen)
+    kv = torch.empty(pages, 2, PS, HKV, D, dtype=torch.bfloat16, device="cuda")
+    kv[:, 0] = kg[pick].permute(0, 2, 1, 3)
+    kv[:, 1] = vg[pick].permute(0, 2, 1, 3)
+    return kv, info
+
+
 def encode_nhd(kv: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPU page compression (Triton encoder) into the storage contract's pool / group_start / group_desc."""
     p = kv.shape[0]
@@ -67,13 +121,24 @@ def encode_nhd(kv: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tens
     return e.data, e.starts.view(p, HKV, 2), e.desc.view(p, HKV, 2, nb)
 
 
+def make_plan(kind: str, cfg, indptr, indices, last, version: int, dev) -> za.DecodePlan:
+    defaults = (16, 1, 1, 4.0, 0, True, False, False, 0)  # maxnreg 0: no register cap
+    tile, warps, stages, waves, mode, pf, tr, lv, mr = (*cfg, *defaults[len(cfg):])
+    return za.plan(indptr, indices, last, HQ, HKV, D, PS, version=version, tile=tile, num_warps=warps,
+                   num_stages=stages, waves=waves, device=dev, mode=mode, prefetch=bool(pf), trans=bool(tr),
+                   late_v=bool(lv), maxnreg=mr, kernel=kind)
+
+
 def bench(fn, rep: int) -> float:
     return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3  # us
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--capture", help="CPU: capture real KV of the bundled models to this safetensors file")
+    ap.add_argument("--capture-tokens", type=int, default=512)
+    ap.add_argument("--real-kv", help="tile KV from this capture (else synthetic KV)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 64, 96])
     ap.add_argument("--version", type=int, default=1)
@@ -82,6 +147,11 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--tune-rep", type=int, default=25)
     args = ap.parse_args()
+    if args.capture:
+        capture(args.capture, args.capture_tokens)
+        return
+    if not args.out:
+        ap.error("--out is required")
     import flashinfer
 
     t_start = time.time()
@@ -94,7 +164,10 @@ def main() -> None:
         bmax = max(args.batches)
         npg = ctx // PS
         pages = bmax * npg
-        kv = synth_kv(pages, args.k_zero_frac, args.v_zero_frac, gen)
+        if args.real_kv:
+            kv, kv_models = real_kv(args.real_kv, pages, gen)
+        else:
+            kv, kv_models = synth_kv(pages, args.k_zero_frac, args.v_zero_frac, gen), None
         pool, gstart, gdesc = encode_nhd(kv, args.version)
         perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
         sizes = zb.block_sizes(gdesc.view(pages, -1), BLOCK).sum(1)  # stored bytes per page
@@ -121,9 +194,8 @@ def main() -> None:
             best = {}
             for kind in ("raw", "zip"):
                 tuned = []
-                for tile, warps, stages, waves in CONFIGS[kind]:
-                    p = za.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, tile=tile,
-                                num_warps=warps, num_stages=stages, waves=waves, device=dev)
+                for cfg in CONFIGS[kind]:
+                    p = make_plan(kind, cfg, indptr, indices, last, args.version, dev)
                     out = torch.full_like(q, float("nan"))
                     if kind == "zip":
                         fn = lambda p=p, out=out: za.run_zip(p, q, pool, gstart, gdesc, out=out)  # noqa: E731
@@ -133,22 +205,20 @@ def main() -> None:
                         fn()
                         torch.cuda.synchronize()
                     except Exception as exc:  # a config that does not compile (e.g. out of shared memory)
-                        tuned.append(dict(config=[tile, warps, stages, waves], error=repr(exc)[:200]))
+                        tuned.append(dict(config=list(cfg), error=repr(exc)[:200]))
                         continue
                     ok = not bool(out.isnan().any())
                     err = float((out[:nref].double() - ref).norm() / ref.norm())
                     vs_fi = float((out.float() - o_fi.float()).norm() / o_fi.float().norm())
                     us = bench(fn, args.tune_rep) if ok and err < 1e-2 else float("inf")
-                    tuned.append(dict(config=[tile, warps, stages, waves], splits=p.num_splits, us=us,
+                    tuned.append(dict(config=list(cfg), splits=p.num_splits, us=us,
                                       all_written=ok, rel_err_f64=err, rel_diff_vs_flashinfer=vs_fi))
                 good = [t for t in tuned if t.get("us", float("inf")) < float("inf")]
                 if not good:
                     row[kind] = dict(error="no config passed", tuned=tuned)
                     continue
                 top = min(good, key=lambda t: t["us"])
-                tile, warps, stages, waves = top["config"]
-                p = za.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, tile=tile,
-                            num_warps=warps, num_stages=stages, waves=waves, device=dev)
+                p = make_plan(kind, top["config"], indptr, indices, last, args.version, dev)
                 if kind == "zip":
                     fn = lambda p=p: za.run_zip(p, q, pool, gstart, gdesc)  # noqa: E731
                 else:
@@ -196,9 +266,12 @@ def main() -> None:
         torch=torch.__version__, triton=triton.__version__, flashinfer=getattr(flashinfer, "__version__", "?"),
         python=platform.python_version(), shape=dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
                                                       block_size=BLOCK, format_version=args.version),
-        kv_data=("synthetic, exponent statistics of the bundled real models (DESIGN.md): Gaussian, log-normal "
+        kv_data=(f"real: tiled from {args.real_kv} (16-row groups of paired head_dim-64 streams of the bundled "
+                 f"models, bf16 compute; see module doc); random q" if args.real_kv else
+                 "synthetic, exponent statistics of the bundled real models (DESIGN.md): Gaussian, log-normal "
                  f"key channel scales, exact zeros in {args.k_zero_frac:.0%} of K and {args.v_zero_frac:.0%} of V "
                  "blocks; random q; no model weights involved"),
+        kv_models=kv_models,
         timing="triton.testing.do_bench median, L2 cleared between calls, same process for all kernels",
         wall_s=time.time() - t_start, results=results,
     )

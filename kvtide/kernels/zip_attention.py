@@ -5,22 +5,30 @@ kernel's quality; the zip kernel's time against the raw one measures what the 12
 
 Design (ZipFusion paper, section III-C, done the Triton way)
 ------------------------------------------------------------
-* One program per (sequence, KV head, split). All G = Hq / Hkv query heads of the KV head are one
-  [GP, D] tile (GP = G padded to 16 for ``tl.dot``), so every KV byte is read once.
+* One program per (sequence, KV head, split). All G = Hq / Hkv query heads of the KV head share every KV
+  byte read. Default (``trans``): tokens are the MMA's M side, S^T = K Q^T and O^T += V^T P^T, so the
+  accumulator is [D, GP] (GP = G padded to 8) instead of [16, D]: fewer registers, more warps per SM.
 * The zip kernel walks its split one page at a time (a [page_size, D] tile): the page id, the group's
-  start (``group_start``) and its descriptors (``group_desc``, read as one word) are scalars, fetched one
-  page ahead so that only the data loads sit on the critical path; a row's block offset is
+  start (``group_start``) and its descriptors (``group_desc``, read as one word) are scalars, fetched two
+  pages ahead so that only the data loads sit on the critical path; a row's block offset is
   start + j * 1.5B + (raw blocks before j) * 0.5B, so the storage tables are the only source of
   placement. The raw kernel walks ``TILE`` tokens at a time, a page id per row.
-* Rows of compressed blocks load the low plane (one int64 per 8 values) and the code plane (one int32 per
-  8 values) as two [rows, D/8] tiles of one register layout; rows of raw blocks load their BF16 row. Compressed rows are rebuilt in
-  registers, word by word, exactly as ``zipblocks.rebuild_words`` (two BF16 values per int32:
-  ``T = (cw << 8-4k) & 0x0F000F00; W = T + 15 * (T & 0x08000800) + (b/2) * 0x01000100 + L``), then
-  the halves of the words are joined into a [rows, D] BF16 operand of ``tl.dot``. Raw and compressed rows
-  stay two operands (each zero where the other holds the row) and both go to the tensor cores: cheaper than
-  a per-value select or a shuffle through shared memory. No decompressed copy is ever written to memory. Version-2 zero-escape rows pay two more ops per value, and only in
-  tiles that hold one (a tile-uniform branch).
-* QK^T and PV are ``tl.dot`` (tensor cores) with an online softmax in base 2 (fp32 accumulators).
+* Compressed rows are rebuilt in registers, word by word, exactly as ``zipblocks.rebuild_words`` (two BF16
+  values per int32: ``T = (cw << 8-4k) & 0x0F000F00; W = T + 15 * (T & 0x08000800) + (b/2) * 0x01000100 + L``),
+  then the halves of the words are joined into a [rows, D] BF16 operand of ``tl.dot``. No decompressed copy
+  is ever written to memory. Version-2 zero-escape rows pay two more ops per value, and only in tiles that
+  hold one (a tile-uniform branch). How the bytes are loaded is ``mode`` (measured against each other on
+  the H200 by bench/zip_attention.py; mode 1 is the fastest there):
+    - mode 1 (default): rows of compressed blocks load the low plane (one int64 per 8 values) and the code
+      plane (one int32 per 8 values), rows of raw blocks their BF16 row, each masked to its rows; raw and
+      rebuilt rows stay two operands (each +0 where the other holds the row), both go to the tensor cores.
+    - mode 2: as 1, the two tiles OR-ed into one operand (a layout shuffle instead of a second dot).
+    - mode 0: two int64 loads per 8 values at row-kind-dependent addresses, one word tile, one operand
+      (fewest registers, but gathers that coalesce badly).
+  ``late_v`` loads V after K's scores (fewer live registers); ``prefetch`` issues the next page's loads
+  before this page's math (more registers); ``maxnreg`` caps registers per thread.
+* Online softmax in base 2 with fp32 accumulators and a lazy rescale: the running max is only moved (and
+  the accumulator rescaled) when some row's max grows by more than 2^8, so most pages skip that pass.
 * Split-KV: with ``num_splits > 1`` each program writes its normalised partial output and its
   log-sum-exp (base 2); a merge kernel combines the splits of a (sequence, q head). With one split
   the main kernel writes the BF16 output directly.
@@ -59,41 +67,82 @@ def _zip_meta(gstart_ptr, gdesc_ptr, page, h, KV: tl.constexpr, H_KV: tl.constex
     return start_w, dw
 
 
-def _zip_tile(pool32, pool16, start_w, dw, valid, tok, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr,
-              VERSION: tl.constexpr, TILE: tl.constexpr):
-    """Two [PS, D] BF16 tiles of one page's K or V group (``start_w``, ``dw`` from :func:`_zip_meta`): raw rows
-    as loaded (compressed rows zero) and compressed rows rebuilt in registers (raw rows zero). The caller feeds
-    both to the tensor cores, cheaper than a per-value select or a shuffle into one register layout."""
-    NB: tl.constexpr = PS * D // BLOCK  # blocks per group
+def _row_desc(dw, r, D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Per row of a page: its block's descriptor and the block's start in int32 words from the group start."""
     RB: tl.constexpr = BLOCK // D  # rows (tokens) per block
-    blk = tok // RB
-    rin = tok % RB
-    nraw = tl.zeros_like(tok)
+    blk = r // RB
+    nraw = tl.zeros_like(r)
     for j in tl.static_range(NB - 1):
         nraw += (((dw >> (8 * j)) & 0xFF) == 0xFF).to(tl.int32) * (j < blk).to(tl.int32)
     desc = ((dw >> (8 * blk).to(dw.dtype)) & 0xFF).to(tl.int32)
+    return desc, blk * (BLOCK * 3 // 8) + nraw * (BLOCK // 8)
+
+
+def _zip_load(pool32, start_w, dw, valid, r, D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+              MODE: tl.constexpr):
+    """Issue the loads of one page's K or V group (rows ``r``); :func:`_zip_build` turns them into a tile.
+    Split from the math so that the caller can issue the next page's loads before this page's math.
+
+    MODE 0: two int64 loads per 8 values whose addresses depend on the row's block kind (raw: the row's
+    16 bytes; compressed: 8 bytes of the low plane and the 8 code-plane bytes that hold this code word).
+    MODE 1, 2: the raw rows as a BF16 tile, the low plane as int64 and the code plane as int32 per 8 values,
+    each masked to the rows of its kind."""
+    RB: tl.constexpr = BLOCK // D
+    desc, boff = _row_desc(dw, r, D, BLOCK, NB)
+    boff32 = start_w + boff
+    rin = r % RB
     israw = desc == 0xFF
-    raw_m = valid & israw
-    comp_m = valid & (desc != 0xFF)
-    boff32 = start_w + blk * (BLOCK * 3 // 8) + nraw * (BLOCK // 8)  # block start in int32 words
-    # int32 word offsets into the pool (run_zip refuses pools of 8 GiB or more): fewer address registers
-    d = tl.arange(0, D)
-    raw_row = tl.multiple_of(boff32 * 2 + rin * D, 8)  # in BF16 elements
-    kraw = tl.load(pool16 + raw_row[:, None] + d[None, :], mask=raw_m[:, None], other=0.0)
-    # low plane as one int64 (la | lb << 32) per 8 values and the code plane as one int32 per 8 values, both
-    # [TILE, D/8] with two per thread, so that they share one register layout (no shuffle through shared memory)
-    w8 = tl.arange(0, D // 8)
-    low_row = tl.multiple_of(boff32 // 2 + rin * (D // 8), 2)  # in int64 units
-    code_row = tl.multiple_of(boff32 + BLOCK // 4 + rin * (D // 8), 4)
-    lo_off = tl.max_contiguous(tl.multiple_of(low_row[:, None] + w8[None, :], [1, 2]), [1, 2])
-    cw_off = tl.max_contiguous(tl.multiple_of(code_row[:, None] + w8[None, :], [1, 2]), [1, 2])
-    lo = tl.load(pool32.to(tl.pointer_type(tl.int64)) + lo_off, mask=comp_m[:, None], other=0)
-    cw = tl.load(pool32 + cw_off, mask=comp_m[:, None], other=0).to(tl.uint32, bitcast=True)
-    la = lo.to(tl.uint32)  # low bytes of values 0-3 of each 8 (truncation)
-    lb = (lo >> 32).to(tl.uint32)  # values 4-7
+    g = tl.arange(0, D // 8)[None, :]
+    if MODE == 0:
+        raw64 = boff32 // 2 + rin * (D // 4)  # int64 units (pools < 8 GiB: int32 offsets hold)
+        low64 = boff32 // 2 + rin * (D // 8)
+        code64 = boff32 // 2 + BLOCK // 8 + rin * (D // 16)
+        israw2 = israw[:, None]
+        xoff = tl.where(israw2, raw64[:, None] + 2 * g, low64[:, None] + g)
+        yoff = tl.where(israw2, raw64[:, None] + 2 * g + 1, code64[:, None] + g // 2)
+        pool64 = pool32.to(tl.pointer_type(tl.int64))
+        a = tl.load(pool64 + xoff, mask=valid[:, None], other=0)
+        b = tl.load(pool64 + yoff, mask=valid[:, None], other=0)
+        c = a  # unused
+    else:
+        raw_m = valid & israw
+        comp_m = valid & (desc != 0xFF)
+        d = tl.arange(0, D)
+        raw_row = tl.multiple_of(boff32 * 2 + rin * D, 8)  # in BF16 elements
+        a = tl.load(pool32.to(tl.pointer_type(tl.bfloat16)) + raw_row[:, None] + d[None, :], mask=raw_m[:, None],
+                    other=0.0)
+        low_row = tl.multiple_of(boff32 // 2 + rin * (D // 8), 2)  # in int64 units
+        code_row = tl.multiple_of(boff32 + BLOCK // 4 + rin * (D // 8), 4)
+        lo_off = tl.max_contiguous(tl.multiple_of(low_row[:, None] + g, [1, 2]), [1, 2])
+        cw_off = tl.max_contiguous(tl.multiple_of(code_row[:, None] + g, [1, 2]), [1, 2])
+        b = tl.load(pool32.to(tl.pointer_type(tl.int64)) + lo_off, mask=comp_m[:, None], other=0)
+        c = tl.load(pool32 + cw_off, mask=comp_m[:, None], other=0)
+    return a, b, c
+
+
+def _zip_build(a, b, c, dw, r, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+               VERSION: tl.constexpr, MODE: tl.constexpr):
+    """BF16 [PS, D] tile(s) from :func:`_zip_load`'s loads, rebuilt in registers (no copy in memory).
+
+    Returns (tile, second): MODE 0 and 2 give one tile (second is unused); MODE 1 gives the raw rows and the
+    rebuilt compressed rows as two tiles, each +0 where the other holds the row (two tensor-core dots)."""
+    desc, boff = _row_desc(dw, r, D, BLOCK, NB)
+    israw = desc == 0xFF
+    g = tl.arange(0, D // 8)[None, :]
+    if MODE == 0:
+        x0 = a.to(tl.uint32)  # low half (truncation)
+        x1 = (a >> 32).to(tl.uint32)
+        y0 = b.to(tl.uint32)
+        y1 = (b >> 32).to(tl.uint32)
+        cw = tl.where((g % 2) == 1, y1, y0)  # compressed rows: this column's code word
+        hb = ((desc & 0x7F) * 0x01000100).to(tl.uint32)[:, None]
+    else:
+        x0 = b.to(tl.uint32)
+        x1 = (b >> 32).to(tl.uint32)
+        cw = c.to(tl.uint32, bitcast=True)
+        hb = tl.where(israw, 0, (desc & 0x7F) * 0x01000100).to(tl.uint32)[:, None]  # raw rows rebuild to +0
     M: tl.constexpr = 0x0F000F00
     S: tl.constexpr = 0x08000800
-    hb = tl.where(israw, 0, (desc & 0x7F) * 0x01000100).to(tl.uint32)[:, None]  # raw rows rebuild to +0
     t0 = (cw << 8) & M
     t1 = (cw << 4) & M
     t2 = cw & M
@@ -102,24 +151,34 @@ def _zip_tile(pool32, pool16, start_w, dw, valid, tok, D: tl.constexpr, PS: tl.c
     t1 = t1 + 15 * (t1 & S)
     t2 = t2 + 15 * (t2 & S)
     t3 = t3 + 15 * (t3 & S)
-    w0 = t0 + hb + (la & 0x00FF00FF)
-    w1 = t1 + hb + ((la >> 8) & 0x00FF00FF)
-    w2 = t2 + hb + (lb & 0x00FF00FF)
-    w3 = t3 + hb + ((lb >> 8) & 0x00FF00FF)
+    w0 = t0 + hb + (x0 & 0x00FF00FF)
+    w1 = t1 + hb + ((x0 >> 8) & 0x00FF00FF)
+    w2 = t2 + hb + (x1 & 0x00FF00FF)
+    w3 = t3 + hb + ((x1 >> 8) & 0x00FF00FF)
     if VERSION == 2:
-        esc = comp_m & ((desc & 0x80) != 0)
+        esc = (desc != 0xFF) & ((desc & 0x80) != 0)
         if tl.max(esc.to(tl.int32), axis=0) != 0:  # tile-uniform: only tiles with escape blocks pay
             zk = tl.where(esc, ((desc & 0x7F) + 7) << 8, 0).to(tl.uint32)[:, None]
             w0 -= (((t0 + 0x01000100) & S) >> 11) * zk
             w1 -= (((t1 + 0x01000100) & S) >> 11) * zk
             w2 -= (((t2 + 0x01000100) & S) >> 11) * zk
             w3 -= (((t3 + 0x01000100) & S) >> 11) * zk
-    # word k of each 8 holds dims 8g + 2k (low half) and 8g + 2k + 1 (high half): join to [TILE, D]
-    wq = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [TILE, D/8, 2, 2]: k = 2 k1 + k0
+    if MODE == 0:
+        israw2 = israw[:, None]
+        w0 = tl.where(israw2, x0, w0)
+        w1 = tl.where(israw2, x1, w1)
+        w2 = tl.where(israw2, y0, w2)
+        w3 = tl.where(israw2, y1, w3)
+    # word k of each 8 holds dims 8g + 2k (low half) and 8g + 2k + 1 (high half): join to [PS, D]
+    wq = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [PS, D/8, 2, 2]: word k at [.., k // 2, k % 2]
     lo16 = wq.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     hi16 = (wq >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    kzip = tl.reshape(tl.join(lo16, hi16), (TILE, D))
-    return kraw, kzip  # each zero where the other holds the row: two dots, no select
+    kz = tl.reshape(tl.join(lo16, hi16), (PS, D))
+    if MODE == 2:
+        kz = (kz.to(tl.int16, bitcast=True) | a.to(tl.int16, bitcast=True)).to(tl.bfloat16, bitcast=True)
+    if MODE == 1:
+        return a, kz
+    return kz, kz
 
 
 def _raw_tile(kv_ptr, page, valid, tok, h, KV: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
@@ -134,7 +193,8 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
                    kv_ptr, pool32, gstart_ptr, gdesc_ptr, qk_scale, pages_per_split, num_splits,
                    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    TILE: tl.constexpr, BLOCK: tl.constexpr, ZIP: tl.constexpr, VERSION: tl.constexpr,
-                   SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+                   SPLIT: tl.constexpr, F32_DOT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
+                   TRANS: tl.constexpr, LATE_V: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -150,13 +210,28 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
     q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    if ZIP:  # one page per step: its group metadata are scalars, fetched one step ahead
+    if TRANS:
+        qt = tl.trans(q)
+        if F32_DOT:
+            qt = qt.to(tl.float32)
+        acc = tl.zeros([D, GP], tl.float32)
+    else:
+        acc = tl.zeros([GP, D], tl.float32)
+    if ZIP:  # one page per step; metadata two pages ahead, data one page ahead (PREFETCH), scalars per page
         r = tl.arange(0, PS)
         NB: tl.constexpr = PS * D // BLOCK
-        page_n = tl.load(indices_ptr + first + tok_lo // PS)
+        last_pg = (tok_hi - 1) // PS
+        pg0 = tok_lo // PS
+        page = tl.load(indices_ptr + first + pg0)
+        sk, dk = _zip_meta(gstart_ptr, gdesc_ptr, page, h, 0, H_KV, NB)
+        sv, dv = _zip_meta(gstart_ptr, gdesc_ptr, page, h, 1, H_KV, NB)
+        page_n = tl.load(indices_ptr + first + tl.minimum(pg0 + 1, last_pg))
         sk_n, dk_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 0, H_KV, NB)
         sv_n, dv_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 1, H_KV, NB)
+        if PREFETCH:
+            valid0 = tok_lo + r < tok_hi
+            ka, kb, kc = _zip_load(pool32, sk, dk, valid0, r, D, BLOCK, NB, MODE)
+            va, vb, vc = _zip_load(pool32, sv, dv, valid0, r, D, BLOCK, NB, MODE)
         step: tl.constexpr = PS
     else:
         r = tl.arange(0, TILE)
@@ -165,41 +240,101 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
         pos = t0 + r
         valid = pos < tok_hi
         if ZIP:
-            sk, dk, sv, dv = sk_n, dk_n, sv_n, dv_n
-            k, kz = _zip_tile(pool32, kv_ptr, sk, dk, valid, r, D, PS, BLOCK, VERSION, PS)
-            v, vz = _zip_tile(pool32, kv_ptr, sv, dv, valid, r, D, PS, BLOCK, VERSION, PS)
-            nxt = tl.minimum(t0 + PS, tok_hi - 1) // PS  # prefetch the next page's metadata
-            page_n = tl.load(indices_ptr + first + nxt)
+            if PREFETCH:  # issue the next page's loads, then rebuild this page from the loads issued last step
+                valid_n = pos + PS < tok_hi
+                ka_n, kb_n, kc_n = _zip_load(pool32, sk_n, dk_n, valid_n, r, D, BLOCK, NB, MODE)
+                va_n, vb_n, vc_n = _zip_load(pool32, sv_n, dv_n, valid_n, r, D, BLOCK, NB, MODE)
+            else:
+                ka, kb, kc = _zip_load(pool32, sk, dk, valid, r, D, BLOCK, NB, MODE)
+                if not LATE_V:
+                    va, vb, vc = _zip_load(pool32, sv, dv, valid, r, D, BLOCK, NB, MODE)
+            k, kz = _zip_build(ka, kb, kc, dk, r, D, PS, BLOCK, NB, VERSION, MODE)
+            if not LATE_V:
+                v, vz = _zip_build(va, vb, vc, dv, r, D, PS, BLOCK, NB, VERSION, MODE)
+            sv_c, dv_c = sv, dv  # this page's V group (LATE_V loads it after the scores)
+            dk, dv, sk, sv = dk_n, dv_n, sk_n, sv_n
+            page_n = tl.load(indices_ptr + first + tl.minimum(t0 // PS + 2, last_pg))
             sk_n, dk_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 0, H_KV, NB)
             sv_n, dv_n = _zip_meta(gstart_ptr, gdesc_ptr, page_n, h, 1, H_KV, NB)
+            if PREFETCH:
+                ka, kb, kc, va, vb, vc = ka_n, kb_n, kc_n, va_n, vb_n, vc_n
         else:
             page = tl.load(indices_ptr + first + pos // PS, mask=valid, other=0)
             tok = pos % PS
             k = _raw_tile(kv_ptr, page, valid, tok, h, 0, H_KV, D, PS)
             v = _raw_tile(kv_ptr, page, valid, tok, h, 1, H_KV, D, PS)
+            sv_c, dv_c = 0, 0  # (zip only)
         if F32_DOT:  # the Triton interpreter multiplies bf16 dot operands as their raw uint16 bits
             k = k.to(tl.float32)
-            v = v.to(tl.float32)
             q = q.to(tl.float32)
             if ZIP:
                 kz = kz.to(tl.float32)
-                vz = vz.to(tl.float32)
-        s = tl.dot(q, tl.trans(k))
-        if ZIP:
-            s = tl.dot(q, tl.trans(kz), s)
-        s = s * qk_scale  # [GP, TILE], log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pb = p.to(tl.bfloat16)
-        if F32_DOT:
-            pb = pb.to(tl.float32)
-        acc = tl.dot(pb, v, acc * alpha[:, None])
-        if ZIP:
-            acc = tl.dot(pb, vz, acc)
-        m_i = m_new
+            if not LATE_V:
+                v = v.to(tl.float32)
+                if ZIP:
+                    vz = vz.to(tl.float32)
+        if TRANS:  # tokens on the MMA's M side: S^T = K Q^T, O^T += V^T P^T (small [D, GP] accumulator)
+            st = tl.dot(k, qt)
+            if ZIP:
+                if MODE == 1:
+                    st = tl.dot(kz, qt, st)
+            st = st * qk_scale  # [TILE, GP], log2 units
+            st = tl.where(valid[:, None], st, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(st, axis=0))
+            if tl.max(m_new - m_i, axis=0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[None, :]
+                m_i = m_new
+            pt = tl.exp2(st - m_i[None, :])
+            l_i = l_i + tl.sum(pt, axis=0)
+            if ZIP:
+                if LATE_V:  # V's loads after K's scores: fewer live registers, more warps per SM
+                    va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, r, D, BLOCK, NB, MODE)
+                    v, vz = _zip_build(va, vb, vc, dv_c, r, D, PS, BLOCK, NB, VERSION, MODE)
+                    if F32_DOT:
+                        v = v.to(tl.float32)
+                        vz = vz.to(tl.float32)
+            pbt = pt.to(tl.bfloat16)
+            if F32_DOT:
+                pbt = pbt.to(tl.float32)
+            acc = tl.dot(tl.trans(v), pbt, acc)
+            if ZIP:
+                if MODE == 1:
+                    acc = tl.dot(tl.trans(vz), pbt, acc)
+        else:
+            s = tl.dot(q, tl.trans(k))
+            if ZIP:
+                if MODE == 1:
+                    s = tl.dot(q, tl.trans(kz), s)
+            s = s * qk_scale  # [GP, TILE], log2 units
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # lazy rescale: keep a stale max until some row's grows by more than 2^8 (p <= 256 is safe in fp32
+            # sums and bf16 operands), so most steps skip the acc * alpha pass; the first always rescales
+            if tl.max(m_new - m_i, axis=0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])
+            l_i = l_i + tl.sum(p, axis=1)
+            if ZIP:
+                if LATE_V:
+                    va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, r, D, BLOCK, NB, MODE)
+                    v, vz = _zip_build(va, vb, vc, dv_c, r, D, PS, BLOCK, NB, VERSION, MODE)
+                    if F32_DOT:
+                        v = v.to(tl.float32)
+                        vz = vz.to(tl.float32)
+            pb = p.to(tl.bfloat16)
+            if F32_DOT:
+                pb = pb.to(tl.float32)
+            acc = tl.dot(pb, v, acc)
+            if ZIP:
+                if MODE == 1:
+                    acc = tl.dot(pb, vz, acc)
+    if TRANS:
+        acc = tl.trans(acc)
     o = acc / l_i[:, None]
     gm = (g < G)[:, None]
     if SPLIT:
@@ -227,7 +362,7 @@ def _merge_kernel(opart_ptr, lse_ptr, out_ptr, kvlen_ptr, split_tokens, num_spli
     tl.store(out_ptr + (b * HQ + hq).to(tl.int64) * D + d, tl.sum(o * w[:, None], axis=0).to(out_ptr.dtype.element_ty))
 
 
-def _decompress_kernel(pool32, pool16, gstart_ptr, gdesc_ptr, out_ptr, page_ids, H_KV: tl.constexpr,
+def _decompress_kernel(pool32, gstart_ptr, gdesc_ptr, out_ptr, page_ids, H_KV: tl.constexpr,
                        D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, VERSION: tl.constexpr):
     """Baseline only: rebuild group (page, h, K|V) into NHD pages (the separate pass the paper avoids)."""
     page = tl.load(page_ids + tl.program_id(0))
@@ -240,11 +375,10 @@ def _decompress_kernel(pool32, pool16, gstart_ptr, gdesc_ptr, out_ptr, page_ids,
         st, dw = _zip_meta(gstart_ptr, gdesc_ptr, page, h, 0, H_KV, NB)
     else:
         st, dw = _zip_meta(gstart_ptr, gdesc_ptr, page, h, 1, H_KV, NB)
-    xr, xz = _zip_tile(pool32, pool16, st, dw, valid, tok, D, PS, BLOCK, VERSION, PS)
+    a, b, c = _zip_load(pool32, st, dw, valid, tok, D, BLOCK, NB, 0)
+    x, _unused = _zip_build(a, b, c, dw, tok, D, PS, BLOCK, NB, VERSION, 0)
     row = ((page.to(tl.int64) * 2 + kv) * PS + tok) * (H_KV * D) + h * D
-    ptrs = out_ptr + row[:, None] + tl.arange(0, D)[None, :]
-    xb = xr.to(tl.int16, bitcast=True) | xz.to(tl.int16, bitcast=True)  # the other tile is +0 on each row
-    tl.store(ptrs, xb.to(tl.bfloat16, bitcast=True))
+    tl.store(out_ptr + row[:, None] + tl.arange(0, D)[None, :], x)
 
 
 @dataclass
@@ -267,6 +401,11 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     sm_scale: float
+    mode: int = 1  # zip kernel load/rebuild variant (see the module doc)
+    prefetch: bool = False  # issue the next page's loads before this page's rebuild (zip kernel)
+    trans: bool = True  # tokens as the MMA's M dimension (S^T = K Q^T), a small accumulator
+    late_v: bool = True  # without prefetch: load V after K's scores (fewer live registers)
+    maxnreg: int | None = None  # register cap per thread (more warps per SM, maybe spills)
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D] split outputs
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S] (base 2)
 
@@ -279,7 +418,7 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_HELPERS = ("_zip_meta", "_zip_tile", "_raw_tile")  # called from kernels: the module globals must be jitted first
+_HELPERS = ("_zip_meta", "_row_desc", "_zip_load", "_zip_build", "_raw_tile")  # called from kernels: the module globals must be jitted first
 _PY = {name: globals()[name] for name in (*_HELPERS, "_decode_kernel", "_merge_kernel", "_decompress_kernel")}
 
 
@@ -301,12 +440,23 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# launch defaults per kernel, the best of the H200 sweep in bench/zip_attention.py (tile 16 = one page for zip)
+_DEFAULTS = {
+    "zip": dict(num_warps=1, waves=8.0, trans=True, maxnreg=128),
+    "raw": dict(num_warps=4, waves=4.0, trans=False, maxnreg=None),
+}
+
+
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
          num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
          sm_scale: float | None = None, num_splits: int | None = None, tile: int | None = None,
-         num_warps: int = 4, num_stages: int = 1, device: torch.device | str | None = None,
-         waves: float = 4.0) -> DecodePlan:
+         num_warps: int | None = None, num_stages: int = 1, device: torch.device | str | None = None,
+         waves: float | None = None, mode: int = 1, prefetch: bool = False, trans: bool | None = None,
+         late_v: bool = True, maxnreg: int | None = None, kernel: str = "zip") -> DecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
+
+    ``kernel`` ("zip" or "raw") picks the launch defaults measured best on the H200 for that kernel
+    (bench/results/zip_attention_h200.json); every one can be set explicitly.
 
     ``num_splits=None`` splits long contexts so that B * Hkv * splits fills ``waves`` waves of the SMs.
     """
@@ -320,6 +470,16 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         raise ValueError("a group must hold 1, 2, 4 or 8 blocks")
     if version not in (1, 2):
         raise ValueError(f"unknown ZipFusion format version {version}")
+    if mode not in (0, 1, 2):
+        raise ValueError(f"zip kernel mode must be 0, 1 or 2, got {mode}")
+    if kernel not in _DEFAULTS:
+        raise ValueError(f"kernel must be one of {sorted(_DEFAULTS)}, got {kernel!r}")
+    dflt = _DEFAULTS[kernel]
+    num_warps = dflt["num_warps"] if num_warps is None else num_warps
+    waves = dflt["waves"] if waves is None else waves
+    trans = dflt["trans"] if trans is None else trans
+    if maxnreg is None and kernel == "zip":
+        maxnreg = dflt["maxnreg"]
     dev = torch.device(device) if device is not None else kv_indices.device
     indptr_h = kv_indptr.to("cpu", torch.int64)
     last_h = kv_last_page_len.to("cpu", torch.int64)
@@ -345,7 +505,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         kv_lens=kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, block_size=block_size, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, tile=tile, num_warps=num_warps, num_stages=num_stages,
-        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale,
+        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, mode=mode, prefetch=prefetch, trans=trans,
+        late_v=late_v, maxnreg=maxnreg,
     )
     if num_splits > 1:
         p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
@@ -371,9 +532,12 @@ def _launch(p: DecodePlan, q: torch.Tensor, out: torch.Tensor | None, zip_: bool
     _k().decode[(p.batch, p.num_kv_heads, p.num_splits)](
         q, out, p.opart if split else dummy, p.lse if split else dummy, p.indptr, p.indices, p.kv_lens,
         kv, pool32, gstart, gdesc, p.sm_scale * LOG2E, p.pages_per_split, p.num_splits,
-        H_KV=p.num_kv_heads, G=g, GP=max(16, triton.next_power_of_2(g)), D=p.head_dim, PS=p.page_size,
+        H_KV=p.num_kv_heads, G=g, GP=max(8 if p.trans else 16, triton.next_power_of_2(g)), D=p.head_dim,
+        PS=p.page_size,
         TILE=p.tile, BLOCK=p.block_size, ZIP=zip_, VERSION=p.version, SPLIT=split,
-        F32_DOT=_interpret(), num_warps=p.num_warps, num_stages=p.num_stages,
+        F32_DOT=_interpret(), MODE=p.mode, PREFETCH=p.prefetch, TRANS=p.trans,
+        LATE_V=zip_ and p.late_v and not p.prefetch, num_warps=p.num_warps, num_stages=p.num_stages,
+        **({"maxnreg": p.maxnreg} if p.maxnreg and not _interpret() else {}),
     )
     if split:
         _k().merge[(p.batch, p.num_qo_heads)](
@@ -423,7 +587,7 @@ def decompress_pages(pool: torch.Tensor, group_start: torch.Tensor, group_desc: 
     if page_ids is None:
         page_ids = torch.arange(num_pages, dtype=torch.int32, device=pool.device)
     _k().decompress[(page_ids.numel(), hkv, 2)](
-        pool.view(torch.int32), pool.view(torch.bfloat16), group_start, group_desc, out, page_ids.to(torch.int32),
+        pool.view(torch.int32), group_start, group_desc, out, page_ids.to(torch.int32),
         H_KV=hkv, D=head_dim,
         PS=page_size, BLOCK=block_size, VERSION=version, num_warps=4,
     )
