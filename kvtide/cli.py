@@ -10,7 +10,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="bundled model name, HF safetensors dir, or .gguf file")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer", "zip"],
+                   help="zip: the fused ZipFusion kernel over compressed pages (needs --compress and CUDA)")
+    p.add_argument("--compress", action="store_true", help="keep completed KV pages losslessly compressed (ZipFusion)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -30,9 +32,11 @@ def _params(a: argparse.Namespace):
 
 
 def _llm(a: argparse.Namespace):
+    from .config import CacheConfig
     from .engine.llm import LLM
 
-    return LLM(a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend)
+    return LLM(a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
+               cache=CacheConfig(compress=a.compress))
 
 
 def cmd_models(a: argparse.Namespace) -> int:

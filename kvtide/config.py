@@ -123,7 +123,9 @@ class EngineConfig:
     model: str = "smollm2-135m"
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # compute dtype; auto: float32 on CPU, bfloat16 on CUDA
-    attention_backend: str = "auto"  # auto: flashinfer on CUDA when importable, else torch
+    # auto: on CUDA zip (compress=True, fused Triton kernel) or flashinfer when importable, else torch;
+    # zip needs CacheConfig(compress=True) and CUDA (or TRITON_INTERPRET=1 on CPU, for tests)
+    attention_backend: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -139,8 +141,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be auto, cpu or cuda[:N], got '{self.device}'")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"EngineConfig.attention_backend must be auto, torch or flashinfer, got '{self.attention_backend}'")
+        if self.attention_backend not in ("auto", "torch", "flashinfer", "zip"):
+            raise ValueError(f"EngineConfig.attention_backend must be auto, torch, flashinfer or zip, "
+                             f"got '{self.attention_backend}'")
+        if self.attention_backend == "zip" and not self.cache.compress:
+            raise ValueError("EngineConfig.attention_backend 'zip' attends over the compressed pool: set "
+                             "CacheConfig(compress=True), or choose auto, torch or flashinfer")
 
     @property
     def torch_device(self) -> torch.device:
@@ -163,14 +169,15 @@ class EngineConfig:
         cfg = cls(**overrides)
         env = {k[len("KVTIDE_"):].lower(): v for k, v in os.environ.items() if k.startswith("KVTIDE_")}
         sections = {"cache": cfg.cache, "scheduler": cfg.scheduler}
+        top: dict[str, Any] = {}  # applied with the sections at once: checks may span both (zip needs compress)
         for key, raw in env.items():
             section, _, name = key.partition("_")
             if section in sections and any(f.name == name for f in dataclasses.fields(sections[section])):
                 if name not in overrides:
                     sections[section] = dataclasses.replace(sections[section], **{name: _coerce(sections[section], name, raw)})
             elif any(f.name == key for f in dataclasses.fields(cls)) and key not in ("cache", "scheduler") and key not in overrides:
-                cfg = dataclasses.replace(cfg, **{key: _coerce(cfg, key, raw)})
-        return dataclasses.replace(cfg, cache=sections["cache"], scheduler=sections["scheduler"])
+                top[key] = _coerce(cfg, key, raw)
+        return dataclasses.replace(cfg, cache=sections["cache"], scheduler=sections["scheduler"], **top)
 
 
 def _coerce(obj: Any, name: str, raw: str) -> Any:

@@ -2,7 +2,8 @@
 
 Plan once per step from the batch layout (which tokens belong to which sequence, where their pages are), then
 run per layer: store the layer's new K/V, attend. The torch backend works everywhere; the FlashInfer backend
-(`flashinfer_backend.py`) is used on CUDA when the package is importable.
+(`flashinfer_backend.py`) is used on CUDA when the package is importable. Backends over the compressed pool
+(compress=True) are built by `zip_backend.make_zip_backend` (the fused one: `zip_fused_backend.py`).
 """
 from __future__ import annotations
 
@@ -110,4 +111,7 @@ def make_backend(name: str, kv_caches: list[torch.Tensor], num_heads: int, num_k
         from .flashinfer_backend import FlashInferAttention
 
         return FlashInferAttention(kv_caches, num_heads, num_kv_heads, head_dim, page_size)
+    if name == "zip":
+        raise ValueError("attention backend 'zip' attends over the compressed pool: set CacheConfig(compress=True), "
+                         "or choose auto, torch or flashinfer")
     raise ValueError(f"unknown attention backend '{name}' (choose auto, torch or flashinfer)")

@@ -45,23 +45,40 @@ class DecompressThenAttend(AttentionBackend):
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store.write(layer, k, v, self.slot_mapping)
+        return self.attend(layer, q, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention once the new K/V are in the pool (the fused backend writes them for all rows itself)."""
         self.store.read_pages(layer, self.pages, out=self.scratch[: self.pages.numel()])
         return self.inner(0, q, k, v)  # its own write of k, v into the scratch stores the same bits again
 
 
+def _has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def make_zip_backend(name: str, store: ZipPagedKV, num_heads: int, num_kv_heads: int, head_dim: int,
                      page_size: int) -> AttentionBackend:
-    """Backends over the pool: torch and flashinfer (decompress-then-attend); auto picks flashinfer on CUDA."""
-    scratch = [torch.zeros(1, 2, page_size, num_kv_heads, head_dim, dtype=torch.bfloat16, device=store.device)]
-    if name == "auto":
-        name = "torch"
-        if store.device.type == "cuda":
-            try:
-                import flashinfer  # noqa: F401
+    """Backends over the pool: zip (fused Triton kernel for decodes), torch and flashinfer (decompress-then-attend).
 
-                name = "flashinfer"
-            except ImportError:
-                pass
+    auto on CUDA picks zip when the kernel can serve this store (zip_fused_backend.fused_unsupported), else
+    flashinfer when importable; on CPU torch (the Triton interpreter is for tests only)."""
+    if name in ("auto", "zip"):
+        from .zip_fused_backend import ZipFusedAttention, fused_unsupported
+
+        why = fused_unsupported(store, num_heads, num_kv_heads, head_dim, page_size)
+        if name == "zip" and why is not None:
+            raise ValueError(why)
+        if name == "zip" or (store.device.type == "cuda" and why is None):
+            fallback = make_zip_backend("flashinfer" if store.device.type == "cuda" and _has_flashinfer() else "torch",
+                                        store, num_heads, num_kv_heads, head_dim, page_size)
+            return ZipFusedAttention(store, num_heads, num_kv_heads, head_dim, fallback)
+        name = "flashinfer" if store.device.type == "cuda" and _has_flashinfer() else "torch"
+    scratch = [torch.zeros(1, 2, page_size, num_kv_heads, head_dim, dtype=torch.bfloat16, device=store.device)]
     if name == "torch":
         return DecompressThenAttend(store, TorchAttention(scratch, num_heads, head_dim))
     if name == "flashinfer":
@@ -70,4 +87,4 @@ def make_zip_backend(name: str, store: ZipPagedKV, num_heads: int, num_kv_heads:
         from .flashinfer_backend import FlashInferAttention
 
         return DecompressThenAttend(store, FlashInferAttention(scratch, num_heads, num_kv_heads, head_dim, page_size))
-    raise ValueError(f"unknown attention backend '{name}' for the compressed cache (choose auto, torch or flashinfer)")
+    raise ValueError(f"unknown attention backend '{name}' for the compressed cache (choose auto, zip, torch or flashinfer)")

@@ -55,7 +55,7 @@ LOG2E = 1.4426950408889634
 def _zip_meta(gstart_ptr, gdesc_ptr, page, h, KV: tl.constexpr, H_KV: tl.constexpr, NB: tl.constexpr):
     """Scalars of one group (page, h, K|V): its start in int32 words and its NB descriptors as one word."""
     gi = (page.to(tl.int64) * H_KV + h) * 2 + KV
-    start_w = (tl.load(gstart_ptr + gi) // 4).to(tl.int32)
+    start_w = tl.load(gstart_ptr + gi) // 4  # int64: pools may pass 4 GiB
     if NB == 1:
         dw = tl.load(gdesc_ptr + gi).to(tl.int32)
     elif NB == 2:
@@ -94,7 +94,7 @@ def _zip_load(pool32, start_w, dw, valid, r, D: tl.constexpr, BLOCK: tl.constexp
     israw = desc == 0xFF
     g = tl.arange(0, D // 8)[None, :]
     if MODE == 0:
-        raw64 = boff32 // 2 + rin * (D // 4)  # int64 units (pools < 8 GiB: int32 offsets hold)
+        raw64 = boff32 // 2 + rin * (D // 4)  # int64 units
         low64 = boff32 // 2 + rin * (D // 8)
         code64 = boff32 // 2 + BLOCK // 8 + rin * (D // 16)
         israw2 = israw[:, None]
@@ -108,15 +108,16 @@ def _zip_load(pool32, start_w, dw, valid, r, D: tl.constexpr, BLOCK: tl.constexp
         raw_m = valid & israw
         comp_m = valid & (desc != 0xFF)
         d = tl.arange(0, D)
+        # int64 row offsets (pools may pass 4 GiB), int32 column offsets from the row pointer
         raw_row = tl.multiple_of(boff32 * 2 + rin * D, 8)  # in BF16 elements
-        a = tl.load(pool32.to(tl.pointer_type(tl.bfloat16)) + raw_row[:, None] + d[None, :], mask=raw_m[:, None],
-                    other=0.0)
+        raw_p = pool32.to(tl.pointer_type(tl.bfloat16)) + raw_row
+        a = tl.load(raw_p[:, None] + d[None, :], mask=raw_m[:, None], other=0.0)
         low_row = tl.multiple_of(boff32 // 2 + rin * (D // 8), 2)  # in int64 units
         code_row = tl.multiple_of(boff32 + BLOCK // 4 + rin * (D // 8), 4)
-        lo_off = tl.max_contiguous(tl.multiple_of(low_row[:, None] + g, [1, 2]), [1, 2])
-        cw_off = tl.max_contiguous(tl.multiple_of(code_row[:, None] + g, [1, 2]), [1, 2])
-        b = tl.load(pool32.to(tl.pointer_type(tl.int64)) + lo_off, mask=comp_m[:, None], other=0)
-        c = tl.load(pool32 + cw_off, mask=comp_m[:, None], other=0)
+        low_p = pool32.to(tl.pointer_type(tl.int64)) + low_row
+        code_p = pool32 + code_row
+        b = tl.load(low_p[:, None] + g, mask=comp_m[:, None], other=0)
+        c = tl.load(code_p[:, None] + g, mask=comp_m[:, None], other=0)
     return a, b, c
 
 
@@ -404,7 +405,7 @@ class DecodePlan:
     mode: int = 1  # zip kernel load/rebuild variant (see the module doc)
     prefetch: bool = False  # issue the next page's loads before this page's rebuild (zip kernel)
     trans: bool = True  # tokens as the MMA's M dimension (S^T = K Q^T), a small accumulator
-    late_v: bool = True  # without prefetch: load V after K's scores (fewer live registers)
+    late_v: bool = False  # without prefetch: load V after K's scores (fewer live registers)
     maxnreg: int | None = None  # register cap per thread (more warps per SM, maybe spills)
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D] split outputs
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S] (base 2)
@@ -452,7 +453,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
          sm_scale: float | None = None, num_splits: int | None = None, tile: int | None = None,
          num_warps: int | None = None, num_stages: int = 1, device: torch.device | str | None = None,
          waves: float | None = None, mode: int = 1, prefetch: bool = False, trans: bool | None = None,
-         late_v: bool = True, maxnreg: int | None = None, kernel: str = "zip") -> DecodePlan:
+         late_v: bool = False, maxnreg: int | None = None, kernel: str = "zip") -> DecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``kernel`` ("zip" or "raw") picks the launch defaults measured best on the H200 for that kernel
@@ -565,8 +566,6 @@ def run_zip(p: DecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
     """Decode attention of one layer over compressed pages; q [B, Hq, D] bf16 -> [B, Hq, D] bf16."""
     if check:
         check_tables(p, pool, group_start, group_desc)
-    if pool.numel() >= 1 << 33:
-        raise ValueError("pools of 8 GiB or more need int64 word offsets (not built)")
     return _launch(p, q, out, True, pool.view(torch.bfloat16), pool.view(torch.int32), group_start, group_desc)
 
 

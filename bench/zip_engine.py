@@ -1,0 +1,340 @@
+"""Engine decode throughput over the compressed cache: the fused `zip` attention backend (compress=True) against
+uncompressed FlashInfer (compress=False) under ONE KV byte budget, plus decompress-then-attend at one batch.
+
+Model: Llama-3.1-8B shape (`random:llama3-8b`, RANDOM weights, bf16). Each sequence: an 8192-token prefix,
+prefilled (and, with compress=True, compressed) before timing, then 255 timed decode steps; tokens/s =
+batch * steps / (sum of the step times). Batches 16, 32, 48 and each backend's largest batch under the budget:
+the uncompressed one from its page count, zip's from the measured size of its compressed prefixes.
+
+KV statistics: random weights give KV whose exponent statistics are not a trained model's, so while prefixes are
+prefilled the K/V the random model writes are replaced by BF16 values captured from a real model (--kv-model,
+default the bundled SmolLM2-135M on real text, bf16 compute), cut so that every 512-value block of the 8B layout
+is one block of the real model: the pool then compresses as real KV does. The 16 pages each sequence fills while
+decoding hold the random model's own KV. The JSON reports the K/V compressible fractions and ratios seen.
+
+    python bench/zip_engine.py --out bench/results/zip_engine_h200.json                # H200, 3-5 minutes
+    python bench/zip_engine.py --real-kv bench/data/real_kv.safetensors --out ...     # GPU host without the models
+    python bench/zip_engine.py --smoke --out /tmp/zip_engine_smoke.json                # CPU: Triton interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine_gpu import env  # noqa: E402
+from kvtide import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from kvtide.engine.attention import AttentionBackend, BatchLayout  # noqa: E402
+from kvtide.engine.llm_engine import LLMEngine  # noqa: E402
+from kvtide.models.loader import RANDOM_PRESETS  # noqa: E402
+
+PAGE = 16
+
+
+# ---- real-model KV for the random model's prefixes -------------------------------------------------------
+def real_kv_bank(model: str, device: str, tokens: int, head_dim: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """K and V groups [n, PAGE, head_dim] BF16 made of a real model's KV blocks, in block order, so each
+    512-value block of a target group is one whole block of the real model (same exponent range)."""
+    from bench.zip_format import capture_kv, groups  # bf16 compute over real prose + code windows
+
+    shape, kv = capture_kv(model, device, tokens)
+    bank = []
+    for kind in (0, 1):
+        flat = torch.cat([groups(layer, kind).reshape(-1) for layer in kv])
+        n = flat.numel() // (PAGE * head_dim)
+        bank.append(flat[: n * PAGE * head_dim].view(n, PAGE, head_dim))
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    info = {"model": model, "weights": "real (bundled GGUF, dequantised)", "captured": shape,
+            "bank_groups_per_kind": int(bank[0].shape[0])}
+    return info, bank[0], bank[1]
+
+
+def real_kv_file(path: str, head_dim: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The same bank from a capture file of bench/zip_attention.py (--capture): [rows, 128] K and V streams of
+    paired head_dim-64 rows, so that a machine without the bundled model (the GPU host) gets real-model KV."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        k, v = f.get_tensor("k_rows"), f.get_tensor("v_rows")
+        models = json.loads(f.metadata()["models"])
+    if k.shape[1] != head_dim:
+        raise ValueError(f"{path} holds rows of {k.shape[1]} values, the model's head_dim is {head_dim}")
+    n = k.shape[0] // PAGE
+    info = {"model": f"file {path} ({', '.join(models)})", "weights": "real (bundled GGUF, dequantised)",
+            "captured": models, "bank_groups_per_kind": n}
+    return info, k[: n * PAGE].view(n, PAGE, head_dim), v[: n * PAGE].view(n, PAGE, head_dim)
+
+
+class RealKV(AttentionBackend):
+    """Wraps a backend: new tokens' K/V become bank values picked by (layer, page, head), then go on as usual."""
+
+    def __init__(self, inner: AttentionBackend, bank_k: torch.Tensor, bank_v: torch.Tensor):
+        self.inner, self.name = inner, inner.name
+        self.bank_k, self.bank_v = bank_k, bank_v
+
+    def plan(self, layout: BatchLayout) -> None:
+        self.slots = layout.slot_mapping
+        self.inner.plan(layout)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        page, off = self.slots // PAGE, self.slots % PAGE
+        h = torch.arange(k.shape[1], device=k.device)
+        key = page[:, None] * 1_000_003 + h[None, :] * 7919 + layer * 104_729  # [T, H]
+        kb = self.bank_k[key % self.bank_k.shape[0], off[:, None]]
+        vb = self.bank_v[(key + 1) % self.bank_v.shape[0], off[:, None]]
+        return self.inner(layer, q, kb.to(k.dtype), vb.to(v.dtype))
+
+
+# ---- runs -------------------------------------------------------------------------------------------------
+def prompt(i: int, context: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
+
+
+def drain(eng: LLMEngine, proxy: RealKV | None, sync, batch: int) -> tuple[list[float], int]:
+    """Step until idle; real-model KV only in steps that carry prefill. Times of the steps where all `batch`
+    sequences decode (and nothing else runs), and the number of steps."""
+    inner = eng.runner.attention if proxy is None else proxy.inner
+    times, steps = [], 0
+    while eng.has_unfinished():
+        s = eng.scheduler
+        prefill = bool(s.waiting) or any(q.num_computed_tokens < q.num_prompt_tokens for q in s.running)
+        eng.runner.attention = proxy if (proxy is not None and prefill) else inner
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        dt = time.perf_counter() - t0
+        n_prefill, n_decode, _ = eng.stats.last_step
+        if n_prefill == 0 and n_decode == batch:
+            times.append(dt)
+        steps += 1
+    eng.runner.attention = inner
+    return times, steps
+
+
+def warm(eng: LLMEngine, prompts: list[list[int]], proxy: RealKV | None, sync) -> float:
+    """Prefill (and compress) the prefixes so that the timed run finds them cached."""
+    t0 = time.perf_counter()
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    drain(eng, proxy, sync, -1)
+    return time.perf_counter() - t0
+
+
+def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | None, sync) -> dict:
+    warm_s = warm(eng, prompts, proxy, sync)
+    b = len(prompts)
+    pre0, k0 = eng.scheduler.num_preemptions, dict(getattr(eng.runner.attention, "counts", {}))
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    times, n = drain(eng, proxy, sync, b)
+    k1 = getattr(eng.runner.attention, "counts", {})
+    if not times:
+        return {"batch": b, "error": "no step decoded the whole batch", "preemptions": eng.scheduler.num_preemptions - pre0}
+    med = sorted(times)[len(times) // 2]
+    return {
+        "batch": b, "decode_steps_timed": len(times), "steps_total": n, "warm_prefill_seconds": warm_s,
+        "median_step_ms": med * 1e3, "mean_step_ms": sum(times) / len(times) * 1e3,
+        "tokens_per_s": b * len(times) / sum(times), "preemptions": eng.scheduler.num_preemptions - pre0,
+        **({"kernel_seqs": k1["kernel_seqs"] - k0["kernel_seqs"], "fallback_seqs": k1["fallback_seqs"] - k0["fallback_seqs"]}
+           if k1 else {}),
+    }
+
+
+def compression_seen(eng: LLMEngine) -> dict:
+    """Blocks stored compressed (desc != 0xFF) among the compressed pages held, K and V, and byte ratios."""
+    from kvtide.cache.zip_pages import COMPRESSED
+
+    st = eng.store
+    pids = torch.from_numpy((st.state == COMPRESSED).nonzero()[0]).to(st.device)
+    s = eng.kv_stats()
+    out = {"pages_compressed_held": int(pids.numel()), "k_ratio_stored_over_raw": s["k_ratio"],
+           "v_ratio_stored_over_raw": s["v_ratio"], "fragmentation": s.get("fragmentation")}
+    for i, kind in enumerate("kv"):
+        hits = total = 0
+        for chunk in pids.split(4096):
+            d = st.group_desc_all[:, chunk, :, i]
+            hits += int((d != 0xFF).sum())
+            total += d.numel()
+        out[f"{kind}_compressible_block_fraction"] = hits / max(1, total)
+    return out
+
+
+def run_backend(label: str, backend: str, compress: bool, a, budget: int, batches: list[int] | None,
+                bank: tuple[torch.Tensor, torch.Tensor] | None, steps: int, sync) -> dict:
+    """One engine; prefixes warmed once and reused from the prefix cache; batches in increasing order."""
+    try:
+        llm = LLM(a.model_name, progress=False, device=a.device, dtype=a.dtype, attention_backend=backend, seed=0,
+                  cache=CacheConfig(kv_cache_bytes=budget, compress=compress),
+                  scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
+                                            max_model_len=a.context + steps + PAGE))
+    except ValueError as e:  # e.g. zip refusing a pool the kernel cannot address
+        gc.collect()
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+        return {"backend": backend, "compress": compress, "error": str(e)}
+    eng = llm.engine
+    vocab = eng.model.args.vocab_size
+    per_seq = math.ceil((a.context + steps) / PAGE)  # pages a sequence holds at its last step
+    proxy = RealKV(eng.runner.attention, *bank) if bank is not None else None
+    out: dict = {"backend": eng.runner.attention.name, "compress": compress, "pages_per_sequence": per_seq,
+                 "raw_capacity_pages": eng.num_pages}
+    if not compress:
+        largest = eng.num_pages // per_seq
+        out["largest_batch"] = largest
+        out["largest_batch_how"] = "raw pages // pages per sequence"
+    else:
+        n0 = min(max(batches or [a.ref_batch]), eng.num_pages // per_seq)
+        out["warm_probe_seconds"] = warm(eng, [prompt(i, a.context, vocab) for i in range(n0)], proxy, sync)
+        used = eng.num_pages - eng.store.free_pages()  # raw-page units taken by n0 compressed prefixes (+ reserve)
+        prefix_pages = a.context // PAGE
+        per_prefix = used / n0
+        # Prefix pages at their measured size (one recomputed), decode pages counted raw: conservative.
+        largest = int(eng.num_pages // (per_prefix * (prefix_pages - 1) / prefix_pages + (per_seq - prefix_pages + 1)))
+        out.update(largest_batch=largest, probe_prefixes=n0, raw_pages_per_compressed_prefix=per_prefix,
+                   largest_batch_how="raw capacity // (measured raw-page units of a compressed prefix + decode "
+                                     "pages counted raw), lowered until the whole batch decodes every step",
+                   compression_after_prefill=compression_seen(eng))
+    runs = {}
+    want = sorted({b for b in (batches or []) if b <= largest} | ({largest} if batches is not None else {a.ref_batch}))
+    for b in want:
+        for _ in range(4):  # the largest batch is an estimate: step down while it does not run whole
+            r = timed(eng, [prompt(i, a.context, vocab) for i in range(b)], steps, proxy, sync)
+            whole = r.get("preemptions", 1) == 0 and r.get("decode_steps_timed") == steps
+            if whole or b != largest or b <= 1:
+                break
+            runs[f"{b}_not_whole"] = r
+            b = largest = max(1, b - max(1, b // 50))
+        runs[str(b)] = r
+        print(f"  {label:>12} batch {b:>3}: {r.get('median_step_ms', float('nan')):8.2f} ms/step "
+              f"{r.get('tokens_per_s', float('nan')):9.0f} tok/s  preemptions {r.get('preemptions')}", flush=True)
+    out["largest_batch"] = largest
+    out["runs"] = runs
+    out["kv_stats_end"] = {k: v for k, v in eng.kv_stats().items() if isinstance(v, (int, float, bool))}
+    if compress:
+        out["compression_end"] = compression_seen(eng)
+    del llm, eng, proxy
+    gc.collect()
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def tokens_per_s(res: dict, b: int) -> float | None:
+    r = res.get("runs", {}).get(str(b), {})
+    return r.get("tokens_per_s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny random model, Triton interpreter")
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=255)
+    ap.add_argument("--batches", default="16,32,48")
+    ap.add_argument("--budget-seqs", type=float, default=52.0,
+                    help="KV budget = this many uncompressed sequences of context + steps tokens")
+    ap.add_argument("--kv-model", default="smollm2-135m", help="real model whose KV the prefixes get; 'none': own KV")
+    ap.add_argument("--real-kv", help="take the real-model KV bank from this capture file instead of --kv-model")
+    ap.add_argument("--kv-tokens", type=int, default=512, help="tokens per text window captured (prose + code)")
+    ap.add_argument("--ref-batch", type=int, default=16)
+    ap.add_argument("--ref-steps", type=int, default=32, help="timed steps of decompress-then-attend (slow)")
+    ap.add_argument("--baseline", default="flashinfer", help="uncompressed backend (and decompress-then-attend's inner)")
+    ap.add_argument("--step-tokens", type=int, default=16384, help="SchedulerConfig.max_num_batched_tokens")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    if a.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
+        a.device, a.preset, a.context, a.steps, a.batches = "cpu", "tiny", 48, 3, "2"
+        a.budget_seqs, a.kv_tokens, a.ref_batch, a.ref_steps, a.baseline, a.step_tokens = 4, 32, 2, 2, "torch", 256
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/zip_engine.py needs a CUDA device (or --smoke for a CPU dry run)")
+    a.dtype = "bfloat16" if a.device == "cuda" else "float32"
+    args = RANDOM_PRESETS[a.preset]()
+    a.model_name = f"random:{a.preset}"
+    if a.layers is not None and a.layers != args.num_layers:
+        a.model_name = f"random:{a.preset}-L{a.layers}"
+        RANDOM_PRESETS[a.model_name.split(":", 1)[1]] = lambda p=a.preset, n=a.layers: dataclasses.replace(
+            RANDOM_PRESETS[p](), num_layers=n)
+        args = RANDOM_PRESETS[a.model_name.split(":", 1)[1]]()
+    raw_page = args.num_layers * 2 * PAGE * args.num_kv_heads * args.head_dim * 2
+    per_seq = math.ceil((a.context + a.steps) / PAGE)
+    budget = int(a.budget_seqs * per_seq) * raw_page + 8 * raw_page  # a few pages of slack for the admission reserve
+    batches = sorted({int(b) for b in a.batches.split(",")})
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    res: dict = {"env": env(), "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
+                 "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
+                 "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,
+                           "kv_cache_bytes": budget, "kv_cache_gib": budget / 2**30,
+                           "budget_note": f"{a.budget_seqs:g} uncompressed sequences of {a.context}+{a.steps} tokens "
+                                          "(+8 pages), the same bytes for every backend",
+                           "batches": batches, "step_tokens": a.step_tokens, "cuda_graphs": False,
+                           "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
+                                           "batch decodes and nothing else runs)"}}
+    bank = None
+    if a.kv_model != "none" or a.real_kv:
+        try:
+            if a.real_kv:
+                info, bk, bv = real_kv_file(a.real_kv, args.head_dim)
+            else:
+                info, bk, bv = real_kv_bank(a.kv_model, a.device, a.kv_tokens, args.head_dim)
+        except Exception as e:  # any failure to load or run it: say what to do instead of a traceback
+            sys.exit(f"could not get real-model KV from '{a.real_kv or a.kv_model}' ({type(e).__name__}: {e}); install the "
+                     "bundled model, pass a .gguf file or HF directory, or --kv-model none (random-model KV)")
+        bank = (bk.to(a.device), bv.to(a.device))
+        res["kv_source"] = {**info, "applied_to": "every prefix token (prefill steps); decode-step pages hold the "
+                                                  "random model's own KV (16 of each sequence's pages)"}
+    else:
+        res["kv_source"] = {"model": "none: the random-weight model's own KV (not real-model statistics)"}
+
+    print(f"KV budget {budget / 2**30:.2f} GiB; model {a.model_name} (random weights)", flush=True)
+    zip_name = "zip"
+    res["backends"] = {
+        a.baseline: run_backend(a.baseline, a.baseline, False, a, budget, batches, bank, a.steps, sync),
+        zip_name: run_backend(zip_name, "zip", True, a, budget, batches, bank, a.steps, sync),
+        f"decompress+{a.baseline}": run_backend("decompress", a.baseline, True, a, budget, None, bank, a.ref_steps, sync),
+    }
+    base, z = res["backends"][a.baseline], res["backends"][zip_name]
+    ratios = {"equal_batch": {}, "largest_batch": None}
+    for b in batches:
+        x, y = tokens_per_s(z, b), tokens_per_s(base, b)
+        ratios["equal_batch"][str(b)] = x / y if x and y else None
+    if "largest_batch" in z and "largest_batch" in base:
+        x, y = tokens_per_s(z, z["largest_batch"]), tokens_per_s(base, base["largest_batch"])
+        ratios["largest_batch"] = {"zip_batch": z["largest_batch"], "baseline_batch": base["largest_batch"],
+                                   "zip_over_baseline_tokens_per_s": x / y if x and y else None}
+    res["ratios_zip_over_baseline"] = ratios
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2))
+
+    print(f"\n{'backend':<24}{'batch':>6}{'ms/step':>10}{'tok/s':>10}")
+    for name, r in res["backends"].items():
+        if "error" in r:
+            print(f"{name:<24}  refused: {r['error'][:90]}")
+            continue
+        for b, run in r["runs"].items():
+            print(f"{name:<24}{b:>6}{run.get('median_step_ms', float('nan')):>10.2f}{run.get('tokens_per_s', float('nan')):>10.0f}")
+    print(f"zip / {a.baseline} tokens/s: equal batch {ratios['equal_batch']}; largest {ratios['largest_batch']}")
+    if "compression_after_prefill" in z:
+        c = z["compression_after_prefill"]
+        print(f"compressible blocks K {c['k_compressible_block_fraction']:.3f} V {c['v_compressible_block_fraction']:.3f}"
+              f" (KV from {res['kv_source']['model']}); KV budget {budget / 2**30:.2f} GiB; wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Fused attention over the compressed pool (compress=True, backend 'zip'): the ZipFusion paper's design.
+
+Decode rows (sequences with one query this step) run the Triton kernel :mod:`kvtide.kernels.zip_attention`
+straight over the pool and the layer's group tables: compressed blocks are rebuilt in registers, the page being
+written is a raw group (descriptors 0xFF) read as it is, and no decompressed copy of the cache is ever made.
+Rows the kernel does not do (prefill chunks: more than one query) go through decompress-then-attend
+(:mod:`.zip_backend`) for just those sequences. The step's new K/V are written into the pool first, for all
+rows, so both paths read the same bytes. The kernel is planned once per step and run once per layer.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..cache.zip_pages import ZipPagedKV
+from .attention import AttentionBackend, BatchLayout
+from .zip_backend import DecompressThenAttend
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def fused_unsupported(store: ZipPagedKV, num_heads: int, num_kv_heads: int, head_dim: int,
+                      page_size: int) -> str | None:
+    """Why the fused kernel cannot serve this store here, with the fix; None when it can.
+
+    Checked when the backend is built, so 'auto' can fall back and an explicit 'zip' fails before any step."""
+    if store.device.type != "cuda" and not _interpret():
+        return ("attention_backend 'zip' runs a Triton kernel: it needs a CUDA device, or TRITON_INTERPRET=1 set "
+                "before kvtide's kernels are first used to run it on CPU (slow: tests only); otherwise use "
+                "attention_backend='torch' (decompress-then-attend)")
+    try:
+        from ..kernels import zip_attention as za
+    except ImportError as e:
+        return f"attention_backend 'zip' needs triton ({e}); install triton or use attention_backend='torch'"
+    try:  # the kernel's own shape checks, on a one-page dummy batch (host only, nothing launched)
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        za.plan(one, one[:1], torch.tensor([page_size], dtype=torch.int32), num_heads, num_kv_heads, head_dim,
+                page_size, block_size=store.block_size, version=store.format_version, num_splits=1, device="cpu")
+    except ValueError as e:
+        return f"attention_backend 'zip' cannot run this model's shape: {e}; use attention_backend='torch'"
+    return None
+
+
+class ZipFusedAttention(AttentionBackend):
+    """Decodes through the fused kernel over the pool; prefill chunks through ``fallback`` (decompress-then-attend)."""
+
+    name = "zip"
+
+    def __init__(self, store: ZipPagedKV, num_heads: int, num_kv_heads: int, head_dim: int,
+                 fallback: DecompressThenAttend):
+        super().__init__([], num_heads, head_dim)
+        from ..kernels import zip_attention
+
+        self.za = zip_attention
+        self.store = store
+        self.num_kv_heads = num_kv_heads
+        self.fallback = fallback
+        self.kplan = None
+        # Sequences planned through each path, and steps that used both: benches and tests check the routing.
+        self.counts = {"kernel_seqs": 0, "fallback_seqs": 0, "mixed_steps": 0}
+
+    def plan(self, layout: BatchLayout) -> None:
+        p = layout.page_size
+        starts = layout.q_starts
+        dec = [i for i, n in enumerate(layout.q_lens) if n == 1]
+        rest = [i for i, n in enumerate(layout.q_lens) if n != 1]
+        dev = self.store.device
+        self.slot_mapping = layout.slot_mapping
+        self.kplan = None
+        if dec:
+            used = [-(-layout.kv_lens[i] // p) for i in dec]
+            indices = [pid for i, n in zip(dec, used) for pid in layout.block_tables[i][:n]]
+            indptr = [0]
+            for n in used:
+                indptr.append(indptr[-1] + n)
+            last = [layout.kv_lens[i] - (n - 1) * p for i, n in zip(dec, used)]
+            i32 = torch.int32
+            self.kplan = self.za.plan(
+                torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32), torch.tensor(last, dtype=i32),
+                self.num_heads, self.num_kv_heads, self.head_dim, p, block_size=self.store.block_size,
+                version=self.store.format_version, sm_scale=self.scale, device=dev)
+        self.counts["kernel_seqs"] += len(dec)
+        self.counts["fallback_seqs"] += len(rest)
+        self.counts["mixed_steps"] += bool(dec and rest)
+        self.mixed = bool(rest)
+        if not rest:
+            return
+        self.dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=dev)
+        rows = [r for i in rest for r in range(starts[i], starts[i] + layout.q_lens[i])]
+        self.rest_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.fallback.plan(BatchLayout([layout.q_lens[i] for i in rest], [layout.kv_lens[i] for i in rest],
+                                       [layout.block_tables[i] for i in rest], layout.slot_mapping[self.rest_rows], p))
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The kernel takes contiguous bf16 [B, Hq, D]; the model may compute in fp32 (CPU)."""
+        out = self.za.run_zip(self.kplan, q.to(torch.bfloat16).contiguous(), self.store.pool,
+                              self.store.group_start[layer], self.store.group_desc[layer])
+        return out.to(q.dtype)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store.write(layer, k, v, self.slot_mapping)
+        if not self.mixed:
+            return self._decode(layer, q)
+        out = torch.empty_like(q)
+        if self.kplan is not None:
+            out[self.dec_rows] = self._decode(layer, q[self.dec_rows])
+        r = self.rest_rows
+        out[r] = self.fallback.attend(layer, q[r], k[r], v[r])
+        return out
