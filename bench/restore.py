@@ -4,17 +4,26 @@ same engine, executor and store; only the plan differs.
 
 CPU (default): a bundled real model; bandwidths are picked around the balance point B* where loading a prefix
 takes as long as recomputing it (measured first), since that is where the trade-off is real on this machine.
+The trace runs at a "10 Gbps-equivalent" link, B* / 2.56: the ratio T_load / T_recompute that a Llama-3.1-8B
+shape has on an H200 at 10 Gbps (131 KiB of KV per token at 1.25 GB/s against 0.041 ms of recompute per token,
+restore_random-llama3-8b_h200.json); ``--full`` also at B*.
 GPU: ``--device cuda --model random:llama3-8b`` (Llama-3.1-8B shape, RANDOM weights) at 10/40/80 Gbps and
-batches 1/4/8. The link is a token bucket on the store's load path (kvtide.store.bandwidth).
+batches 1/4/8, trace replay included, inside ``--deadline-s`` (default 450 s on CUDA: runs left when it passes are
+skipped and listed). The link is a token bucket on the store's load path (kvtide.store.bandwidth).
 
-    python bench/restore.py                 # --quick, ~8 min on a 2-core CPU
+Trace load: a closed-loop run of the same requests under recompute-only (all arriving at once) measures its
+saturation throughput mu; the trace's arrival pattern is then stretched so the offered rate is ``--load`` x mu.
+Every method replays the same arrivals from the same store snapshot.
+
+    python bench/restore.py                 # --quick, ~12 min on a quiet 2-core CPU
     python bench/restore.py --full          # more lengths, bandwidths, requests
-    python bench/restore.py --device cuda --model random:llama3-8b --full
+    python bench/restore.py --device cuda --model random:llama3-8b     # the H200 run, < 8 min
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -100,10 +109,12 @@ class Bench:
 
     def warm_profile(self, lengths: list[int]) -> None:
         """F(t) from ordinary prefills (what a serving engine runs anyway)."""
+        o = 110_000  # distinct prompts: a shared prefix would be restored from the store, not prefilled
         for n in lengths:
             for _ in range(2):
-                self.llm.generate(self.text[5000:5000 + n], greedy(1))
-        out = self.llm.generate(self.text[9000:9000 + lengths[0]], greedy(5))[0]
+                self.llm.generate(self.text[o:o + n], greedy(1))
+                o += n + 1000
+        out = self.llm.generate(self.text[o:o + lengths[0]], greedy(5))[0]
         self.decode_step = (out.latency - out.ttft) / 4  # seconds per decode step at batch 1
 
     # ---- 1. isolated restorations ---------------------------------------------------------------------------
@@ -115,14 +126,18 @@ class Bench:
         self.populate([prefix])
         prompt = prefix + self.text[100_000:100_000 + self.a.suffix]
         t_rec = statistics.median(self.restore([prompt], "recompute")[1].total_seconds for _ in range(2))
-        rec = self.restore([prompt], "load")[1]
+        recs = [self.restore([prompt], "load")[1] for _ in range(2)]
+        rec = min(recs, key=lambda x: x.total_seconds)
         nbytes = n * self.r.num_layers * self.r.bytes_per_token
         b_star = nbytes / t_rec
         return {"tokens": n, "t_recompute_s": t_rec, "t_load_unthrottled_s": rec.total_seconds,
                 "bytes": nbytes, "balance_bytes_per_s": b_star, "balance_gbps": b_star * 8 / 1e9,
-                "recompute_ms_per_token": 1e3 * t_rec / n, "load_ms_per_token_unthrottled": 1e3 * rec.total_seconds / n}
+                "recompute_ms_per_token": 1e3 * t_rec / n, "load_ms_per_token_unthrottled": 1e3 * rec.total_seconds / n,
+                "load_path_gbps": rec.load_bytes * 8 / 1e9 / max(rec.load_seconds, 1e-9),
+                "load_path_seconds": rec.load_seconds}
 
     def isolated(self, lengths: list[int], bandwidths: list[float], batches: list[int], reps: int, bar) -> list[dict]:
+        """Every method on the same prompts; reps interleave the methods, so a noisy spell hits all of them."""
         rows = []
         for n in lengths:
             prefixes = [self.text[i * 3000:i * 3000 + n] for i in range(max(batches))]
@@ -134,23 +149,16 @@ class Bench:
                     prompts = [p + self.text[100_000 + 50 * i:100_000 + 50 * i + self.a.suffix]
                                for i, p in enumerate(prefixes[:b])]
                     self.restore(prompts, "load")  # the link's real rate is learned online, as it would be
-                    for m in ORDER:
-                        for rep in range(reps):
+                    for rep in range(reps):
+                        for m in ORDER:
                             ttfts, rec = self.restore(prompts, m)
                             rows.append({"tokens": n, "gbps": g, "batch": b, "method": m, "rep": rep,
-                                         "ttft_mean_s": statistics.mean(ttfts), "restore_s": rec.total_seconds,
-                                         "predicted_s": rec.predicted_seconds,
-                                         "predicted_compute_s": rec.predicted_compute_seconds,
-                                         "predicted_load_s": rec.predicted_load_seconds,
-                                         "recompute_s": rec.recompute_seconds, "load_s": rec.load_seconds,
-                                         "wait_s": rec.wait_seconds, "suffix_s": rec.suffix_seconds,
-                                         "planning_s": rec.planning_seconds, "boundaries": rec.boundaries,
-                                         "bandwidth_assumed": rec.bandwidth})
+                                         "ttft_mean_s": statistics.mean(ttfts), **record_row(rec)})
                             bar()
         return rows
 
     # ---- 2. trace replay ------------------------------------------------------------------------------------
-    def trace(self, bandwidths: list[float], bar) -> dict:
+    def trace(self, links: list[tuple[float, str]], bar, deadline: float) -> dict:
         a = self.a
         rows = load_trace()
         content = block_content(self.text[:150_000], a.block_tokens, self.eng.model.args.vocab_size)
@@ -160,34 +168,69 @@ class Bench:
         self.set_link(None)
         self.populate(prefixes_to_preload(reqs, a.block_tokens))
         snapshot = self.inner.copy()
-        # Offered load: a fraction of the recompute-only service rate (service time from the learned profile).
-        L, F = self.r.num_layers, self.r.profile
-        dec = self.decode_step
-        service = statistics.mean(L * F(len(q.tokens)) + q.output * dec for q in reqs)
         span = max(reqs[-1].arrival - reqs[0].arrival, 1e-3)
-        stretch = service * (len(reqs) - 1) / span / a.load
-        out = {"requests": len(reqs), "stretch": stretch, "service_estimate_s": service, "offered_load": a.load,
+        # Saturation of recompute-only: all requests at once, completions per second (first link: it is idle).
+        self.fresh_store(snapshot)
+        self.set_link(links[0][0])
+        self.r.cfg.method = "recompute"
+        t0 = time.perf_counter()
+        replay(self.eng, reqs, 0.0, lambda q: greedy(q.output))
+        makespan = time.perf_counter() - t0
+        mu = len(reqs) / makespan
+        stretch = (len(reqs) - 1) / (span * a.load * mu)
+        out = {"requests": len(reqs), "stretch": stretch, "offered_load": a.load,
+               "recompute_saturation_req_per_s": mu, "closed_loop_makespan_s": makespan,
+               "offered_req_per_s": a.load * mu,
                "mean_input_tokens": statistics.mean(len(q.tokens) for q in reqs),
                "mean_reused_tokens": statistics.mean(min(q.reused_blocks * a.block_tokens, len(q.tokens))
                                                      for q in reqs),
-               "runs": []}
-        for g in bandwidths:
+               "mean_output_tokens": statistics.mean(q.output for q in reqs),
+               "runs": [], "skipped": []}
+        for g, label in links:
             for m in ORDER:
+                if time.perf_counter() > deadline:
+                    out["skipped"].append({"gbps": g, "method": m, "why": "deadline"})
+                    continue
                 self.fresh_store(snapshot)
                 self.set_link(g)
                 self.r.cfg.method = m
                 n0 = len(self.r.history)
+                st0 = dict(vars(self.r.stats))
+                t1 = time.perf_counter()
                 ttft = replay(self.eng, reqs, stretch, lambda q: greedy(q.output), on_first=bar)
+                wall = time.perf_counter() - t1
                 recs = list(self.r.history)[n0:]
                 v = sorted(ttft.values())
+                st = {k: v2 - st0.get(k, 0) for k, v2 in vars(self.r.stats).items()}
+                ratio = [x.planning_seconds / t for x in recs for t in [x.total_seconds] if t > 0]
                 out["runs"].append({
-                    "gbps": g, "method": m, "ttft_s": v, "mean_s": statistics.mean(v), "p95_s": _pct(v, 95),
-                    "p99_s": _pct(v, 99), "restorations": len(recs),
-                    "restored_requests": sum(len(x.cached) for x in recs),
+                    "gbps": g, "link": label, "method": m, "ttft_s": v, "mean_s": statistics.mean(v),
+                    "p50_s": _pct(v, 50), "p95_s": _pct(v, 95), "p99_s": _pct(v, 99), "wall_s": wall,
+                    "restorations": len(recs), "restored_requests": sum(len(x.cached) for x in recs),
                     "mean_batch": statistics.mean(len(x.cached) for x in recs) if recs else 0,
+                    "restore_seconds_total": sum(x.total_seconds for x in recs),
+                    "restore_seconds_mean": statistics.mean(x.total_seconds for x in recs) if recs else 0,
+                    "predicted_seconds_total": sum(x.predicted_seconds for x in recs),
                     "planning_s_median": statistics.median(x.planning_seconds for x in recs) if recs else 0,
-                    "fallbacks": self.r.stats.fallbacks})
+                    "planning_fraction_of_restore_median": statistics.median(ratio) if ratio else 0,
+                    "recomputed_tokens": st["recomputed_tokens"], "loaded_tokens": st["loaded_tokens"],
+                    "stolen_tokens": st["stolen_tokens"], "fallbacks": st["fallbacks"],
+                    "restorations_detail": [record_row(x) for x in recs]})
         return out
+
+
+def record_row(rec) -> dict:
+    """The executor's record of one restoration, flattened for the result file."""
+    return {"restore_s": rec.total_seconds, "predicted_s": rec.predicted_seconds,
+            "predicted_compute_s": rec.predicted_compute_seconds, "predicted_load_s": rec.predicted_load_seconds,
+            "predicted_recompute_s": rec.predicted_recompute_seconds,
+            "predicted_suffix_per_block_s": rec.predicted_suffix_seconds,
+            "predicted_fixed_s": rec.predicted_fixed_seconds,
+            "recompute_s": rec.recompute_seconds, "load_s": rec.load_seconds, "wait_s": rec.wait_seconds,
+            "suffix_s": rec.suffix_seconds, "overhead_s": rec.overhead_seconds,
+            "link_wait_s": rec.link_wait_seconds, "load_bytes": rec.load_bytes, "stolen_tokens": rec.stolen_tokens,
+            "planning_s": rec.planning_seconds, "boundaries": rec.boundaries, "cached": rec.cached,
+            "suffix": rec.suffix, "bandwidth_assumed": rec.bandwidth}
 
 
 def _loadavg() -> list[float] | None:
@@ -206,8 +249,21 @@ def _pct(v: list[float], p: float) -> float:
     return sorted(v)[k]
 
 
-def summarize_isolated(rows: list[dict]) -> list[dict]:
-    """Per (tokens, gbps, batch): ideal gain bound 1 + min/max of (recompute-only, load-only) vs CacheFlow's."""
+def _err(r: dict) -> float:
+    return (r["restore_s"] - r["predicted_s"]) / r["predicted_s"]
+
+
+def _balance(r: dict, layers: int) -> float:
+    """|compute path - load path| / total: recompute + suffix against loads + the last block's suffix."""
+    comp = r["recompute_s"] + r["suffix_s"]
+    load = r["load_s"] + r["suffix_s"] / layers
+    return abs(comp - load) / max(r["restore_s"], 1e-9)
+
+
+def summarize_isolated(rows: list[dict], layers: int) -> list[dict]:
+    """Per (tokens, gbps, batch): goal (a) CacheFlow's share of the ideal gain, with T_ideal = 1/(1/T_rec + 1/T_load)
+    from the medians of recompute-only and load-only on the same prompts; goal (b) predicted vs actual per
+    restoration; goal (d) planning time over TTFT."""
     out = []
     keys = sorted({(r["tokens"], r["gbps"], r["batch"]) for r in rows})
     for k in keys:
@@ -219,17 +275,63 @@ def summarize_isolated(rows: list[dict]) -> list[dict]:
         tr, tl = t("recompute"), t("load")
         ideal = 1 / (1 / tr + 1 / tl)
         best_single = min(tr, tl)
-        cf = [r for r in sel if r["method"] == "cacheflow"]
-        errs = [abs(r["restore_s"] - r["predicted_s"]) / r["predicted_s"] for r in cf]
+        by = {m: [r for r in sel if r["method"] == m] for m in ORDER}
+        cf = by["cacheflow"]
+        errs = [_err(r) for r in cf]
+        # The same bound when the suffix is compute-only (as it is: new tokens have no stored KV): split the prefix
+        # work x : 1-x so that x P + L sigma = (1-x) Q + sigma, from the single-resource runs' own parts.
+        med = lambda m, f, sel=sel: statistics.median(r[f] for r in sel if r["method"] == m)  # noqa: E731
+        P, S, Q = med("recompute", "recompute_s"), med("recompute", "suffix_s"), med("load", "load_s")
+        sig, fixed = S / layers, med("recompute", "overhead_s")
+        x = min(max((Q + sig - S) / max(P + Q, 1e-12), 0.0), 1.0)
+        ideal_sfx = max(x * P + S, (1 - x) * Q + sig) + fixed
         out.append({"tokens": k[0], "gbps": k[1], "batch": k[2], "t_recompute_s": tr, "t_load_s": tl,
-                    "t_ideal_s": ideal, "ideal_gain": best_single / ideal,
+                    "t_ideal_s": ideal, "ideal_gain": best_single / ideal, "t_ideal_suffix_aware_s": ideal_sfx,
+                    "cacheflow_fraction_of_suffix_aware_ideal": ideal_sfx / t("cacheflow"),
+                    "median_s": {m: t(m) for m in ORDER},
                     "gains": {m: best_single / t(m) for m in ORDER},
                     "cacheflow_fraction_of_ideal_gain": (best_single / t("cacheflow")) / (best_single / ideal),
-                    "cacheflow_pred_error_median": statistics.median(errs),
-                    "cacheflow_within_10pct": sum(e <= 0.10 for e in errs) / len(errs),
+                    "cacheflow_pred_errors": errs,
+                    "cacheflow_pred_error_median": statistics.median(abs(e) for e in errs),
+                    "cacheflow_within_10pct": sum(abs(e) <= 0.10 for e in errs) / len(errs),
+                    "within_10pct_by_method": {m: sum(abs(_err(r)) <= 0.10 for r in by[m]) / len(by[m]) for m in ORDER},
+                    "cacheflow_balanced_10pct": sum(_balance(r, layers) <= 0.10 for r in cf) / len(cf),
+                    "cacheflow_stolen_tokens": [r["stolen_tokens"] for r in cf],
                     "cacheflow_boundaries_distinct": sorted({j for r in cf for row in r["boundaries"] for j in row}),
                     "planning_fraction_of_ttft": statistics.median(r["planning_s"] / r["ttft_mean_s"] for r in cf)})
     return out
+
+
+def goals(rows: list[dict], summary: list[dict], trace: dict | None, layers: int) -> dict:
+    """The issue's goals (a)-(d) over the whole run, as measured (see summarize_isolated)."""
+    cf = [r for r in rows if r["method"] == "cacheflow"]
+    errs = [abs(_err(r)) for r in cf]
+    g: dict = {
+        "a_fraction_of_ideal_gain": {f"{s['tokens']}tok/{s['gbps']:g}Gbps/b{s['batch']}":
+                                     s["cacheflow_fraction_of_ideal_gain"] for s in summary},
+        "a_fraction_of_ideal_gain_min": min(s["cacheflow_fraction_of_ideal_gain"] for s in summary),
+        "a_fraction_of_ideal_gain_median": statistics.median(s["cacheflow_fraction_of_ideal_gain"] for s in summary),
+        "a_fraction_of_suffix_aware_ideal_min": min(s["cacheflow_fraction_of_suffix_aware_ideal"] for s in summary),
+        "b_within_10pct_of_prediction": sum(e <= 0.10 for e in errs) / len(errs),
+        "b_pred_error_median": statistics.median(errs),
+        "b_balanced_within_10pct": sum(_balance(r, layers) <= 0.10 for r in cf) / len(cf),
+        "d_planning_fraction_of_ttft_median": statistics.median(r["planning_s"] / r["ttft_mean_s"] for r in cf),
+    }
+    if trace is not None:
+        c = {}
+        for link in sorted({r["link"] for r in trace["runs"]}):
+            runs = {r["method"]: r for r in trace["runs"] if r["link"] == link}
+            if not {"cacheflow", "recompute", "load"} <= set(runs):
+                continue
+            best = min(runs["recompute"]["mean_s"], runs["load"]["mean_s"])
+            c[link] = {"mean_ttft_s": {m: r["mean_s"] for m, r in runs.items()},
+                       "gain_over_best_single": best / runs["cacheflow"]["mean_s"],
+                       "gain_over_cake": (runs["cake"]["mean_s"] / runs["cacheflow"]["mean_s"]) if "cake" in runs else None}
+        g["c_trace"] = c
+        fr = [x["planning_s"] / x["restore_s"] for r in trace["runs"] if r["method"] == "cacheflow"
+              for x in r["restorations_detail"] if x["restore_s"] > 0]
+        g["d_trace_planning_fraction_of_restore_median"] = statistics.median(fr) if fr else None
+    return g
 
 
 def plot(trace: dict, path: Path, title: str) -> None:
@@ -238,20 +340,20 @@ def plot(trace: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gs = sorted({r["gbps"] for r in trace["runs"]})
-    fig, axes = plt.subplots(1, len(gs), figsize=(5.5 * len(gs), 4), squeeze=False)
+    gs = list(dict.fromkeys(r["link"] for r in trace["runs"]))
+    fig, axes = plt.subplots(1, len(gs), figsize=(max(8.0, 5.5 * len(gs)), 4.3), squeeze=False)
     for ax, g in zip(axes[0], gs):
-        for r in [x for x in trace["runs"] if x["gbps"] == g]:
+        for r in [x for x in trace["runs"] if x["link"] == g]:
             v = r["ttft_s"]
             ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post",
                     label=f"{LABELS[r['method']]} (mean {r['mean_s']:.2f}s)")
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("CDF")
-        ax.set_title(f"{g:g} Gbps")
+        ax.set_title(g)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=8, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -261,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="smollm2-135m")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the default: a small run (~8 min on a 2-core CPU)")
+    mode.add_argument("--quick", action="store_true", help="the default: a small run (~12 min on a 2-core CPU)")
     mode.add_argument("--full", action="store_true")
     ap.add_argument("--lengths", type=int, nargs="*", help="isolated prefix lengths (tokens)")
     ap.add_argument("--bandwidths", type=float, nargs="*", help="Gbps; default CPU: around the balance point")
@@ -275,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-input", type=int, default=None)
     ap.add_argument("--max-output", type=int, default=None)
     ap.add_argument("--min-reuse-blocks", type=int, default=2, help="keep requests reusing >= this many blocks")
-    ap.add_argument("--load", type=float, default=0.9, help="offered load / recompute-only service rate")
+    ap.add_argument("--load", type=float, default=0.9, help="offered rate / recompute-only saturation throughput")
+    ap.add_argument("--trace-ratio", type=float, default=2.56,
+                    help="CPU trace link = B* / this (T_load/T_recompute of Llama-8B shape on an H200 at 10 Gbps)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="skip trace runs that would start after this many seconds (default: 450 on CUDA)")
     ap.add_argument("--store-gb", type=int, default=None)
     ap.add_argument("--num-pages", type=int, default=None)
     ap.add_argument("--max-batched-tokens", type=int, default=None)
@@ -292,12 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     d = {  # (cpu quick, cpu full, gpu quick, gpu full)
         "lengths": ([512], [256, 512, 1024], [8192], [4096, 16384, 32768]),
         "batches": ([1], [1, 4], [1, 4, 8], [1, 4, 8]),
-        "reps": (2, 3, 3, 5),
-        "chunk": (64, 64, 512, 512),
-        "requests": (16, 32, 24, 64),
-        "block_tokens": (8, 16, 512, 512),
-        "max_input": (384, 1024, 16384, 32768),
-        "max_output": (4, 8, 16, 32),
+        "reps": (3, 3, 2, 5),
+        "chunk": (32, 32, 512, 512),
+        "requests": (40, 48, 16, 48),
+        "block_tokens": (16, 16, 512, 512),
+        "max_input": (512, 768, 16384, 32768),
+        "max_output": (8, 8, 16, 32),
         "store_gb": (4, 4, 64, 96),
         "max_batched_tokens": (4096, 4096, 32768, 32768),
     }
@@ -305,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in d.items():
         if getattr(a, k) is None:
             setattr(a, k, v[idx])
+    if a.deadline_s is None and gpu and not full:
+        a.deadline_s = 450.0
     torch.manual_seed(0)
     if a.threads is None and not gpu:
         a.threads = 1
@@ -315,25 +423,33 @@ def main(argv: list[str] | None = None) -> int:
 
     con = Console()
     t_start = time.perf_counter()
+    deadline = t_start + (a.deadline_s if a.deadline_s is not None else float("inf"))
     b = Bench(a)
     args = b.eng.model.args
     random_w = a.model.startswith("random:")
     con.print(f"[bold]restore bench[/]: {a.model} ({'RANDOM weights' if random_w else 'real weights'}), "
               f"{args.num_layers} layers, {args.num_kv_heads} KV heads x {args.head_dim}, KV bf16, device {a.device}, "
-              f"chunk {a.chunk} tokens, {b.r.bytes_per_token:.0f} stored B/token/layer")
+              f"chunk {a.chunk} tokens, {b.r.bytes_per_token:.0f} stored B/token/layer; load avg {_loadavg()}")
     b.warm_profile([64, 128, 256, 512] if not gpu else [1024, 4096, 8192])
     bal = b.balance(a.lengths[0])
-    con.print(f"T_recompute {bal['recompute_ms_per_token']:.2f} ms/token, unthrottled load "
-              f"{bal['load_ms_per_token_unthrottled']:.2f} ms/token -> balance B* = {bal['balance_gbps'] * 1e3:.1f} Mbps")
+    con.print(f"T_recompute {bal['recompute_ms_per_token']:.3f} ms/token, unthrottled load "
+              f"{bal['load_ms_per_token_unthrottled']:.3f} ms/token ({bal['load_path_gbps']:.1f} Gbps through the "
+              f"load path) -> balance B* = {bal['balance_gbps'] * 1e3:.1f} Mbps")
     if a.bandwidths is None:
         if gpu:
             a.bandwidths = [10.0, 40.0, 80.0]
         else:
             bs = bal["balance_gbps"]
-            a.bandwidths = [round(bs * f, 4) for f in ((0.5, 1.0, 2.0) if full else (0.5, 1.0, 2.0))]
-    trace_bw = a.bandwidths if (full or gpu) else [a.bandwidths[1] if len(a.bandwidths) > 1 else a.bandwidths[0]]
+            a.bandwidths = [round(bs * f, 4) for f in (0.5, 1.0, 2.0)]
+    if gpu:
+        links = [(g, f"{g:g} Gbps") for g in a.bandwidths]
+    else:
+        bs = bal["balance_gbps"]
+        links = [(round(bs / a.trace_ratio, 5), f"10 Gbps-equivalent (B*/{a.trace_ratio:g})")]
+        if full:
+            links.append((round(bs, 5), "balance B*"))
     n_iso = len(a.lengths) * len(a.bandwidths) * len(a.batches) * len(ORDER) * a.reps
-    n_tr = 0 if a.no_trace else len(trace_bw) * len(ORDER) * a.requests
+    n_tr = 0 if a.no_trace else len(links) * len(ORDER) * a.requests
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=con, disable=a.no_progress) as prog:
         t1 = prog.add_task("isolated restorations", total=n_iso)
@@ -341,38 +457,48 @@ def main(argv: list[str] | None = None) -> int:
         trace = None
         if not a.no_trace:
             t2 = prog.add_task("trace replay (first tokens)", total=n_tr)
-            trace = b.trace(trace_bw, lambda: prog.advance(t2))
-    summary = summarize_isolated(iso)
+            trace = b.trace(links, lambda: prog.advance(t2), deadline)
+    L = args.num_layers
+    summary = summarize_isolated(iso, L)
+    g = goals(iso, summary, trace, L)
     tag = f"{a.model.replace(':', '_')}_{a.device.split(':')[0]}{'_full' if full else ''}"
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(),
+    meta = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "load_average_at_end": _loadavg(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if gpu else None, "model": a.model, "random_weights": random_w,
             "shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
             "kv_dtype": "bfloat16", "compute_dtype": str(b.eng.config.torch_dtype), "chunk_tokens": a.chunk,
-            "stored_bytes_per_token_per_layer": b.r.bytes_per_token, "link": "token bucket on the store load path",
-            "store": "in-process memory tier (checksummed records)", "args": vars(a),
-            "trace_scaling": f"each 512-token Mooncake block -> {a.block_tokens} tokens; inputs capped at "
-                             f"{a.max_input}, outputs scaled the same and capped at {a.max_output}; window from "
-                             f"trace index {a.trace_start}, requests reusing >= {a.min_reuse_blocks} leading blocks; "
-                             "arrival times stretched so offered load = --load x recompute-only service rate; "
-                             "device prefix cache off (every reuse is a store restoration); reused-before-window "
-                             "prefixes pre-loaded into the store",
+            "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
+            "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
+            "store": "in-process memory tier (CRC-32 checksummed records, verified on every load)",
+            "executor": "batched pipelined loads, stealing on for hybrid plans (RestoreConfig.steal)",
+            "args": vars(a), "trace_links": [{"gbps": x, "label": y} for x, y in links],
+            "trace_scaling": f"each 512-token Mooncake block -> {a.block_tokens} tokens (scale {a.block_tokens / 512:g}); "
+                             f"inputs capped at {a.max_input}, outputs scaled the same and capped at {a.max_output}; "
+                             f"window from trace index {a.trace_start}, the first {a.requests} requests reusing >= "
+                             f"{a.min_reuse_blocks} leading blocks; arrival pattern stretched so the offered rate is "
+                             f"{a.load} x the recompute-only saturation throughput (closed-loop run of the same "
+                             "requests); device prefix cache off (every reuse is a store restoration); "
+                             "reused-before-window prefixes pre-loaded into the store; CPU links: B*/trace_ratio "
+                             "('10 Gbps-equivalent') and B*",
             "wall_seconds": time.perf_counter() - t_start}
-    res = {"meta": meta, "balance": bal, "isolated": iso, "isolated_summary": summary, "trace": trace}
+    res = {"meta": meta, "goals": g, "balance": bal, "isolated": iso, "isolated_summary": summary, "trace": trace}
     jpath = out_dir / f"restore_{tag}.json"
     jpath.write_text(json.dumps(res, indent=1))
-    _print(con, summary, trace)
-    if trace is not None:
-        plot(trace, out_dir / f"restore_{tag}.png",
-             f"Mooncake trace replay, {a.model}{' (random weights)' if random_w else ''}, {a.device}; "
-             f"{trace['requests']} requests, load {a.load} of recompute-only")
+    _print(con, summary, trace, g)
+    if trace is not None and trace["runs"]:
+        try:
+            plot(trace, out_dir / f"restore_{tag}.png",
+                 f"Mooncake trace replay, {a.model}{' (random weights)' if random_w else ''}, {a.device}; "
+                 f"{trace['requests']} requests at {a.load} x recompute-only saturation")
+        except ImportError as e:  # a bare GPU machine may lack matplotlib: the JSON holds every TTFT
+            con.print(f"no PNG ({e})")
     con.print(f"wrote {jpath} ({meta['wall_seconds']:.0f}s)")
     return 0
 
 
-def _print(con, summary: list[dict], trace: dict | None) -> None:
+def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
     from rich.table import Table
 
     t = Table(title="isolated restorations: gain over the best single resource (ideal = 1 + min/max)")
@@ -380,21 +506,25 @@ def _print(con, summary: list[dict], trace: dict | None) -> None:
               "of ideal", "pred err", "<=10%"):
         t.add_column(c, justify="right")
     for s in summary:
-        g = s["gains"]
+        gg = s["gains"]
         t.add_row(str(s["tokens"]), f"{s['gbps']:g}", str(s["batch"]), f"{s['t_recompute_s']:.2f}",
-                  f"{s['t_load_s']:.2f}", f"{s['ideal_gain']:.2f}x", f"{g['cacheflow']:.2f}x", f"{g['cake']:.2f}x",
-                  f"{g['layerwise']:.2f}x", f"{s['cacheflow_fraction_of_ideal_gain']:.0%}",
+                  f"{s['t_load_s']:.2f}", f"{s['ideal_gain']:.2f}x", f"{gg['cacheflow']:.2f}x", f"{gg['cake']:.2f}x",
+                  f"{gg['layerwise']:.2f}x", f"{s['cacheflow_fraction_of_ideal_gain']:.0%}",
                   f"{s['cacheflow_pred_error_median']:.0%}", f"{s['cacheflow_within_10pct']:.0%}")
     con.print(t)
-    if trace is None:
-        return
-    t = Table(title=f"trace replay: TTFT over {trace['requests']} requests (s)")
-    for c in ("Gbps", "method", "mean", "p95", "p99", "restored", "mean batch"):
-        t.add_column(c, justify="right")
-    for r in trace["runs"]:
-        t.add_row(f"{r['gbps']:g}", LABELS[r["method"]], f"{r['mean_s']:.2f}", f"{r['p95_s']:.2f}",
-                  f"{r['p99_s']:.2f}", str(r["restored_requests"]), f"{r['mean_batch']:.1f}")
-    con.print(t)
+    if trace is not None:
+        t = Table(title=f"trace replay: TTFT over {trace['requests']} requests (s), offered "
+                        f"{trace['offered_req_per_s']:.3f} req/s = {trace['offered_load']} x recompute-only saturation")
+        for c in ("link", "method", "mean", "p50", "p95", "p99", "restored", "mean batch", "restore s", "stolen tok"):
+            t.add_column(c, justify="right")
+        for r in trace["runs"]:
+            t.add_row(r["link"], LABELS[r["method"]], f"{r['mean_s']:.2f}", f"{r['p50_s']:.2f}", f"{r['p95_s']:.2f}",
+                      f"{r['p99_s']:.2f}", str(r["restored_requests"]), f"{r['mean_batch']:.1f}",
+                      f"{r['restore_seconds_mean']:.2f}", str(r["stolen_tokens"]))
+        con.print(t)
+        if trace["skipped"]:
+            con.print(f"skipped (deadline): {trace['skipped']}")
+    con.print({k: v for k, v in g.items() if k != "a_fraction_of_ideal_gain"})
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ class RestoreConfig:
     bandwidth_gbps: float | None = None  # emulated link on the load path (None: the tier's own speed)
     max_batch: int = 8  # waiting requests restored (and planned) together
     write_on_finish: bool = True  # store each finished request's full chunks (prompt + output)
+    steal: bool = True  # an idle link takes recompute chunks of unstarted layers (hybrid plans; see executor)
+    spill: bool = True  # evicted device-cache pages of chunks the store lacks are written first (prefix caching)
+    hedge: float = 0.0  # >0: CacheFlow plans this much compute-heavy when stealing is on (see Restorer.plan_for)
 
     def __post_init__(self) -> None:
         from .store.factory import check_spec
@@ -116,6 +119,8 @@ class RestoreConfig:
             raise ValueError(f"RestoreConfig.bandwidth_gbps must be positive or None, got {self.bandwidth_gbps}")
         if self.max_batch < 1:
             raise ValueError(f"RestoreConfig.max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.hedge < 1.0:
+            raise ValueError(f"RestoreConfig.hedge must be in [0, 1), got {self.hedge}")
 
 
 @dataclass

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from typing import Protocol
+from itertools import islice
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -57,6 +58,17 @@ class BlockManager:
             self.free, self.unused = OrderedDict(), deque(range(num_pages))
         self.seq_hashes: dict[str, list[bytes]] = {}  # chained hashes of each sequence's full pages
         self.stats = {"prefix_queries": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0, "evictions": 0}
+        # Hooks for a KV store behind the device cache (kvtide.engine.restoration): a sequence about to release
+        # its pages, and cached pages about to lose their contents (called while their bytes are still intact).
+        self.on_release: Callable[[Sequence], None] | None = None
+        self.on_evict: Callable[[list[int]], None] | None = None
+
+    def _evicting(self, pids: list[int]) -> None:
+        """Tell the store hook which cached pages are about to be forgotten (their KV can still be read)."""
+        if self.on_evict is not None:
+            cached = [p for p in pids if self.page_hashes[p] is not None]
+            if cached:
+                self.on_evict(cached)
 
     # ---- capacity -------------------------------------------------------------------------------
     @property
@@ -81,6 +93,7 @@ class BlockManager:
             victim = next((pid for pid in self.free if pid not in keep), None)
             if victim is None:
                 return False
+            self._evicting([victim])
             del self.free[victim]
             self._forget(victim)
             self.store.release_pages([victim])
@@ -91,7 +104,9 @@ class BlockManager:
     def evict_cached(self) -> int:
         """Drop every cached page no sequence holds (what memory pressure does); returns how many."""
         n = 0
-        for pid in [p for p in self.free if self.page_hashes[p] is not None]:
+        victims = [p for p in self.free if self.page_hashes[p] is not None]
+        self._evicting(victims)
+        for pid in victims:
             self._forget(pid)
             n += 1
             if self.store is not None:  # store mode: a free page holds bytes only while it is cached
@@ -173,6 +188,8 @@ class BlockManager:
             return True
         if need > len(self.free):
             return False
+        if self.on_evict is not None:
+            self._evicting(list(islice(self.free, need)))  # LRU first: the pages popped below
         for _ in range(need):
             pid, _ = self.free.popitem(last=False)
             self._forget(pid)
@@ -202,6 +219,8 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; its pages stay cached (tail first out) until reused."""
+        if self.on_release is not None:
+            self.on_release(seq)
         dropped = []
         for pid in reversed(seq.pages):
             self.ref_count[pid] -= 1

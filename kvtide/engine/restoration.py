@@ -1,9 +1,13 @@
 """Engine wiring of CacheFlow restoration: write finished prefixes to a KV store, restore them by plan.
 
 * At finish, every full chunk (``chunk_tokens``) of a request's computed tokens (prompt + output) is copied out
-  of its pages and written, one entry per layer, by a background writer. That also covers the device prefix
-  cache's evictions: an evictable page belongs to a released sequence whose full chunks were written when it
-  finished (only a preempted sequence's pages are not spilled; they are recomputed as before).
+  of its pages (one device read per layer for all its new chunks) and written, one entry per layer, by a
+  background writer (``write_on_finish``).
+* Spill on evict (``spill``, needs the device prefix cache): when a sequence releases its pages, its full chunks
+  that are not in the store yet (a preempted or aborted request's; every request's when ``write_on_finish`` is
+  off) are remembered by page hash; when the device cache evicts a page of such a chunk, the whole chunk is read
+  from its still-intact pages and written before the page is reused. A chunk whose pages are already partly
+  gone is counted (``spill_missed``), never written half.
 * Each step, before the normal scheduler, the waiting queue is checked in order: device prefix-cache hits
   first (kept up to the last whole chunk), then consecutive store chunks after them. Requests with at least
   one chunk to restore (up to ``max_batch`` of them, in queue order) are admitted with pages for their whole prompt,
@@ -21,13 +25,16 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..restore.costs import BlockCost, RestoreRequest
-from ..restore.executor import RestoreExecutor, RestoreJob, RestoreResult
+import numpy as np
+import torch
+
+from ..restore.costs import BlockCost, ExecutorReplayTime, RestoreRequest
+from ..restore.executor import LoadConfig, RestoreExecutor, RestoreJob, RestoreResult
 from ..restore.methods import make_plan
 from ..restore.planner import Plan
 from ..restore.profile import LatencyProfile
 from ..store.bandwidth import gbps
-from ..store.base import HEADER_BYTES
+from ..store.base import encode_record
 from ..store.factory import open_store
 from ..store.keys import ChunkKey, KeySpace, chunk_keys
 from ..store.writer import StoreWriter
@@ -38,8 +45,16 @@ from .sequence import Sequence, Status
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine, RequestOutput
 
-META_BYTES_ESTIMATE = 140  # JSON metadata of one record (key, layer, dtype, shape, ...)
 DEFAULT_BANDWIDTH = 2e9  # bytes/s guessed for an unthrottled in-process tier before any load is measured
+
+
+@dataclass(frozen=True)
+class _SpillChunk:
+    """A released chunk not yet in the store: its key, tokens and the chained hashes of its pages."""
+
+    key: ChunkKey
+    tokens: list[int]
+    page_hashes: tuple[bytes, ...]
 
 
 @dataclass
@@ -49,11 +64,14 @@ class RestoreStats:
     restored_tokens: int = 0  # prefix tokens brought back (recomputed or loaded)
     recomputed_tokens: int = 0  # sum over (request, layer) of recomputed prefix tokens
     loaded_tokens: int = 0  # sum over (request, layer) of loaded prefix tokens
+    stolen_tokens: int = 0  # of those, taken over from recompute at run time (stealing)
     load_failures: int = 0  # entries that failed to load (any cause)
     fallbacks: int = 0  # requests whose failed loads were recomputed
     fallback_tokens: int = 0
     errors: int = 0  # restorations abandoned for a plain prefill
     chunks_written: int = 0
+    chunks_spilled: int = 0  # of those, written when their device pages were evicted
+    spill_missed: int = 0  # evicted chunks that could not be spilled (a page of them was already gone)
     lookups: int = 0
 
 
@@ -80,6 +98,12 @@ class RestoreRecord:
     failures: int
     fallback_tokens: int
     request_ids: list[str] = field(default_factory=list)
+    overhead_seconds: float = 0.0  # outside both paths (the model's fixed_seconds learns it)
+    link_wait_seconds: float = 0.0  # I/O thread waiting for bytes on the link
+    predicted_recompute_seconds: float = 0.0  # P of the plan
+    predicted_suffix_seconds: float = 0.0  # sum sigma + suffix call, per block
+    predicted_fixed_seconds: float = 0.0
+    stolen_tokens: int = 0  # (request, layer) tokens the idle link took over from recompute at run time
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,22 +121,29 @@ class Restorer:
         self.store = open_store(cfg.store, cfg.memory_bytes, cfg.bandwidth_gbps)
         self.keyspace = KeySpace(f"{engine.config.model}|{a.num_layers}x{a.hidden_size}x{a.num_kv_heads}x{a.head_dim}",
                                  self.chunk, str(engine.config.cache.torch_kv_dtype).replace("torch.", ""))
-        itemsize = engine.config.cache.torch_kv_dtype.itemsize
-        record = HEADER_BYTES + META_BYTES_ESTIMATE + 4 * self.chunk + 2 * self.chunk * a.num_kv_heads * a.head_dim * itemsize
+        probe = torch.zeros(2, self.chunk, a.num_kv_heads, a.head_dim, dtype=engine.config.cache.torch_kv_dtype)
+        key = chunk_keys([0] * self.chunk, self.keyspace)[0]
+        record = len(encode_record(key, a.num_layers - 1, [0] * self.chunk, probe))  # exact, padding included
         self.bytes_per_token = record / self.chunk  # s: stored bytes per token per block (what loads move)
         self.profile = LatencyProfile()
-        self.writer = StoreWriter(self.store) if cfg.write_on_finish else None
+        self.plan_bandwidth = self.bandwidth()  # what the last plan assumed (bytes/s)
+        self.writer = StoreWriter(self.store) if cfg.write_on_finish or cfg.spill else None
         self.stats = RestoreStats()
         self.history: deque[RestoreRecord] = deque(maxlen=256)
         self._known: OrderedDict[str, None] = OrderedDict()  # chunk keys written or restored lately
         self._no_restore: set[str] = set()  # request ids sent back to plain prefill
+        self._spill: OrderedDict[bytes, _SpillChunk] = OrderedDict()  # page hash -> unwritten chunk it belongs to
+        if cfg.spill:
+            engine.block_manager.on_release = self.on_release
+            engine.block_manager.on_evict = self.on_evict
 
     def use_store(self, store: Any, writes: Any | None = None) -> None:
         """Switch to another store (benchmarks, tests) and forget what the old one held. Finished requests'
         chunks go to `writes` (default: the same store; a bench writes past its emulated link)."""
         if self.writer is not None:
             self.writer.close()
-        self.writer = StoreWriter(writes if writes is not None else store) if self.cfg.write_on_finish else None
+        self.writer = (StoreWriter(writes if writes is not None else store)
+                       if self.cfg.write_on_finish or self.cfg.spill else None)
         self.store = store
         self._known.clear()
         self._no_restore.clear()
@@ -124,26 +155,78 @@ class Restorer:
             seq, n = batch[0]
             if seq.num_computed_tokens == 0 and n > 1 and seconds > 0:
                 self.profile.observe(n, seconds, blocks=self.num_layers)
+                self.profile.knots()  # refit now, off the next plan's clock
 
     def on_finish(self, seq: Sequence) -> None:
         """Queue the finished request's full chunks (prompt + output) for the store."""
-        if self.writer is None:
+        if self.writer is None or not self.cfg.write_on_finish:
             return
         C, p = self.chunk, self.engine.block_manager.page_size
         n = min(seq.num_computed_tokens, len(seq.pages) * p) // C * C
         if n == 0:
             return
         ids = seq.token_ids
+        todo = []
         for key in chunk_keys(ids[:n], self.keyspace):
             if key.hex in self._known:
                 self._known.move_to_end(key.hex)
                 continue
             lo = key.index * C
-            pids = seq.pages[lo // p:(lo + C) // p]
-            layers = [read_chunk_kv(self.engine.runner, i, pids) for i in range(self.num_layers)]
-            self.writer.submit(key, ids[lo:lo + C], layers)
+            todo.append((key, ids[lo:lo + C], seq.pages[lo // p:(lo + C) // p]))
+        self._write(todo)
+
+    def _write(self, todo: list[tuple[ChunkKey, list[int], list[int]]]) -> None:
+        """Copy chunks (key, tokens, page ids) out of their pages, one device read per layer, and queue them."""
+        if not todo:
+            return
+        pids = [pid for _, _, ps in todo for pid in ps]
+        per_layer = [read_chunk_kv(self.engine.runner, i, pids) for i in range(self.num_layers)]
+        C = self.chunk
+        for k, (key, toks, _) in enumerate(todo):
+            self.writer.submit(key, toks, [x[:, k * C:(k + 1) * C] for x in per_layer])
             self._remember(key)
             self.stats.chunks_written += 1
+
+    # ---- spill on evict ----------------------------------------------------------------------------------
+    def on_release(self, seq: Sequence) -> None:
+        """Remember the releasing sequence's committed chunks that the store does not hold yet."""
+        bm, C = self.engine.block_manager, self.chunk
+        hashes = bm.seq_hashes.get(seq.request_id)
+        p = bm.page_size
+        n = len(hashes or ()) * p // C * C
+        if self.writer is None or n == 0:
+            return
+        ids = seq.token_ids
+        for key in chunk_keys(ids[:n], self.keyspace):
+            if key.hex in self._known:
+                continue
+            lo = key.index * C
+            info = _SpillChunk(key, list(ids[lo:lo + C]), tuple(hashes[lo // p:(lo + C) // p]))
+            for h in info.page_hashes:
+                self._spill[h] = info
+                self._spill.move_to_end(h)
+        while len(self._spill) > 200_000:
+            self._spill.popitem(last=False)
+
+    def on_evict(self, pids: list[int]) -> None:
+        """Write each unwritten chunk a page of which is about to be evicted (all its pages must be intact)."""
+        bm = self.engine.block_manager
+        todo = []
+        for pid in pids:
+            info = self._spill.pop(bm.page_hashes[pid], None)
+            if info is None or info.key.hex in self._known:
+                continue
+            chunk_pids = [bm._lookup(h, tuple(info.tokens[i * bm.page_size:(i + 1) * bm.page_size]))
+                          for i, h in enumerate(info.page_hashes)]
+            for h in info.page_hashes:
+                self._spill.pop(h, None)
+            if any(x is None for x in chunk_pids):
+                self.stats.spill_missed += 1
+                continue
+            todo.append((info.key, info.tokens, chunk_pids))
+        if todo:
+            self._write(todo)
+            self.stats.chunks_spilled += len(todo)
 
     def _remember(self, key: ChunkKey) -> None:
         self._known[key.hex] = None
@@ -158,8 +241,15 @@ class Restorer:
             return gbps(self.cfg.bandwidth_gbps)
         return DEFAULT_BANDWIDTH
 
-    def cost(self) -> BlockCost:
-        return BlockCost(self.num_layers, self.bytes_per_token, 0.0, replay_time=self.profile)
+    def replay_time(self, batch: int = 1, scaled: bool = True) -> ExecutorReplayTime:
+        """F as the executor pays it for a batch (shared layer calls; measured/modelled compute scale)."""
+        p = self.profile
+        return ExecutorReplayTime(p, p.call_overhead, batch, p.compute_scale if scaled else 1.0)
+
+    def cost(self, batch: int = 1) -> BlockCost:
+        p = self.profile
+        return BlockCost(self.num_layers, self.bytes_per_token, 0.0, replay_time=self.replay_time(batch),
+                         suffix_overhead=p.suffix_overhead, fixed_seconds=p.fixed_overhead)
 
     # ---- finding restorable requests ------------------------------------------------------------------
     def _present(self, key: ChunkKey) -> bool:
@@ -229,8 +319,26 @@ class Restorer:
             return []
 
     def plan_for(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]], method: str | None = None) -> Plan:
+        """The plan to run. CacheFlow with stealing on plans ``hedge`` compute-heavy (as if replay were that much
+        cheaper) and predicts with the unbiased optimum: stealing only moves work from compute to the link, so a
+        plan that leaves the link slack absorbs a compute thread slower than predicted, and when it is not
+        slower, the idle link takes the surplus back at run time (ending near the unbiased optimum)."""
+        method = method or self.cfg.method
         reqs = [RestoreRequest(cached - start, seq.num_tokens - cached) for seq, start, cached, _ in picked]
-        return make_plan(method or self.cfg.method, reqs, self.cost(), self.bandwidth(), self.chunk)
+        self.plan_bandwidth = bw = self.bandwidth()
+        cost = self.cost(len(reqs))
+        best = make_plan(method, reqs, cost, bw, self.chunk)
+        if method != "cacheflow" or not self.cfg.steal or self.cfg.hedge == 0.0:
+            return best
+        p = self.profile
+        rt = ExecutorReplayTime(p, p.call_overhead, len(reqs), p.compute_scale * (1.0 - self.cfg.hedge))
+        hedged = make_plan(method, reqs, BlockCost(cost.num_blocks, cost.kv_bytes_per_token, 0.0, replay_time=rt,
+                                                   suffix_overhead=cost.suffix_overhead,
+                                                   fixed_seconds=cost.fixed_seconds), bw, self.chunk)
+        best.boundaries = hedged.boundaries
+        best.planning_seconds += hedged.planning_seconds
+        best.method = "cacheflow-hedged"
+        return best
 
     def _restore(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]]) -> list["RequestOutput"]:
         eng = self.engine
@@ -239,7 +347,11 @@ class Restorer:
                 for (seq, start, cached, keys), js in zip(picked, plan.boundaries)]
         seqs = [p[0] for p in picked]
         port = EnginePort(eng.runner, seqs)
-        res = RestoreExecutor(port, self.store, self.chunk).run(jobs, profile=self.profile)
+        # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
+        # that mixes the two; recompute-only keeps its link idle by definition, load-only has nothing to take.
+        steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
+        res = RestoreExecutor(port, self.store, self.chunk, LoadConfig(steal=steal)).run(jobs, profile=self.profile)
+        self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
         if eng.runner.store is not None:  # compressed pool: compress the full pages just filled
             p = eng.runner.page_size
@@ -256,6 +368,22 @@ class Restorer:
                 outputs.append(out)
         return outputs
 
+    def _learn_overheads(self, picked: list, res: RestoreResult) -> None:
+        """Compute scale, suffix-call and fixed overheads for the cost model, from clean runs (no fallback)."""
+        if res.fallback_requests or not res.suffix_layer_seconds:
+            return
+        prof, n = self.profile, len(picked)
+        prof.knots()  # the executor's layer times changed F: refit now, off the next plan's clock
+        G = self.replay_time(n, scaled=False)
+        executed = [[b - start for b in bs] for bs, (_, start, _, _) in zip(res.boundaries, picked)]
+        modelled = float(sum(G(np.asarray(js)).sum() for js in executed))
+        if modelled > 0.05 * res.total_seconds:  # enough staircase to say something
+            prof.observe_compute(res.recompute_seconds, modelled)
+        F = self.replay_time(n)
+        sigma = sum(float(F(seq.num_tokens - start)) - float(F(cached - start)) for seq, start, cached, _ in picked)
+        prof.observe_suffix(res.suffix_seconds / len(res.suffix_layer_seconds), sigma)
+        prof.observe_overhead(res.overhead_seconds)
+
     def _account(self, picked: list, plan: Plan, res: RestoreResult) -> None:
         st = self.stats
         st.restorations += 1
@@ -263,6 +391,7 @@ class Restorer:
         st.restored_tokens += sum(cached - start for _, start, cached, _ in picked)
         st.recomputed_tokens += res.recomputed_tokens
         st.loaded_tokens += res.loaded_tokens
+        st.stolen_tokens += res.stolen_tokens
         st.load_failures += len(res.failures)
         st.fallbacks += len(res.fallback_requests)
         st.fallback_tokens += res.fallback_tokens
@@ -279,9 +408,14 @@ class Restorer:
             predicted_compute_seconds=plan.predicted_compute_seconds, predicted_load_seconds=plan.predicted_load_seconds,
             planning_seconds=plan.planning_seconds, total_seconds=res.total_seconds,
             recompute_seconds=res.recompute_seconds, load_seconds=res.load_seconds, wait_seconds=res.wait_seconds,
-            suffix_seconds=res.suffix_seconds, load_bytes=res.load_bytes, bandwidth=self.bandwidth(),
+            suffix_seconds=res.suffix_seconds, load_bytes=res.load_bytes, bandwidth=self.plan_bandwidth,
             failures=len(res.failures), fallback_tokens=res.fallback_tokens,
-            request_ids=[s.request_id for s, *_ in picked]))
+            request_ids=[s.request_id for s, *_ in picked], overhead_seconds=res.overhead_seconds,
+            link_wait_seconds=res.link_wait_seconds, predicted_recompute_seconds=plan.recompute_seconds,
+            predicted_suffix_seconds=(plan.predicted_load_seconds - plan.load_bytes / self.plan_bandwidth),
+            predicted_fixed_seconds=plan.predicted_seconds - max(plan.predicted_compute_seconds,
+                                                                 plan.predicted_load_seconds),
+            stolen_tokens=res.stolen_tokens))
 
     def close(self) -> None:
         if self.writer is not None:

@@ -49,7 +49,20 @@ class EnginePort:
         return self.model.hidden_states(ids, positions, attn, layers=range(layer, layer + 1), h=h)
 
     def write_kv(self, layer: int, request: int, start: int, kv: torch.Tensor) -> None:
-        slots = self.slots(request, start, start + kv.shape[1])
+        """Place loaded K/V [2, T, kv_heads, head_dim] at positions [start, start + T) of ``layer``.
+
+        Loads are chunk-aligned, so in the fixed layout whole pages are copied (one index per page, one copy
+        of every byte) instead of two per-token scatters; the compressed pool takes tokens through its ``write``.
+        Called on the I/O thread (on CUDA inside its stream): only index math and copies, no host syncs.
+        """
+        p, n = self.page_size, kv.shape[1]
+        if self.runner.store is None and start % p == 0 and n % p == 0:
+            cache = self.runner.kv_caches[layer]
+            pages = self._pages[request][start // p:(start + n) // p]
+            src = kv.unflatten(1, (n // p, p)).transpose(0, 1)  # [pages, 2, page_size, kv_heads, head_dim]
+            cache.index_copy_(0, pages, src.to(device=cache.device, dtype=cache.dtype, non_blocking=True))
+            return
+        slots = self.slots(request, start, start + n)
         if self.runner.store is not None:
             self.runner.store.write(layer, kv[0], kv[1], slots)
         else:

@@ -51,6 +51,41 @@ class AnalyticReplayTime:
 
 
 @dataclass(frozen=True)
+class ExecutorReplayTime:
+    """F as the executor pays it, for one of ``batch`` requests planned together.
+
+    The executor runs each layer once for every request that recomputes in it, so a layer call's fixed cost c
+    (``call_overhead``: on the 2-core CPU ~6 ms of SmolLM2's ~45 ms at 512 tokens, streaming the layer's weights)
+    is paid once, not once per request: each request is charged F(t) - c (1 - 1/n) for t > 0, exact when the
+    requests recompute in the same blocks (what the batch plans do) and never below F(t) - c. ``scale`` is the
+    measured/modelled compute ratio (``LatencyProfile.compute_scale``). F(0) = 0; nondecreasing, and convex for
+    t > 0 when F is.
+    """
+
+    base: ReplayTime
+    call_overhead: float = 0.0
+    batch: int = 1
+    scale: float = 1.0
+    vectorized: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if _as_int("batch", self.batch) < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+        _as_pos_float("call_overhead", self.call_overhead, allow_zero=True)
+        _as_pos_float("scale", self.scale)
+
+    def __call__(self, t):  # type: ignore[no-untyped-def]
+        share = self.call_overhead * (1.0 - 1.0 / self.batch)
+        if np.ndim(t) == 0:
+            v = float(self.base(t))
+            return self.scale * max(v - share, 0.0) if float(t) > 0 else 0.0
+        x = np.asarray(t)
+        v = np.asarray(self.base(x) if getattr(self.base, "vectorized", False)
+                       else [float(self.base(int(a))) for a in x.ravel()], dtype=np.float64).reshape(x.shape)
+        return np.where(x > 0, self.scale * np.maximum(v - share, 0.0), 0.0)
+
+
+@dataclass(frozen=True)
 class RestoreRequest:
     """One request: N cached prefix tokens to restore, plus N_s uncached suffix tokens to prefill."""
 
@@ -67,12 +102,24 @@ class RestoreRequest:
 
 @dataclass(frozen=True)
 class BlockCost:
-    """Per-block costs of a dense model: s bytes/token of KV, R bytes of fixed state, replay time F(t)."""
+    """Per-block costs of a dense model: s bytes/token of KV, R bytes of fixed state, replay time F(t).
+
+    Two optional terms make the prediction match an executor (both 0 by default: the issue's objective):
+
+    * ``suffix_overhead`` c: seconds per block that the batch's suffix call costs beyond sum_r sigma_r. sigma_r =
+      F(N + Ns) - F(N) is a difference, so the fixed cost of one more layer call (on a CPU: streaming the block's
+      weights, ~3 ms for SmolLM2; on a GPU: launches) cancels out of it, yet the executor pays it once per block.
+      It enters like sigma: compute P + L (sum sigma + c), load Q/B + sum sigma + c (only with suffix tokens).
+    * ``fixed_seconds``: time of every restoration outside both paths (thread start, logits, final sync); added
+      to the predicted total, it moves no boundary.
+    """
 
     num_blocks: int
     kv_bytes_per_token: float
     state_bytes: float = 0.0
     replay_time: ReplayTime = field(default_factory=AnalyticReplayTime)
+    suffix_overhead: float = 0.0
+    fixed_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         n = _as_int("num_blocks", self.num_blocks)
@@ -81,6 +128,8 @@ class BlockCost:
         object.__setattr__(self, "num_blocks", n)
         object.__setattr__(self, "kv_bytes_per_token", _as_pos_float("kv_bytes_per_token", self.kv_bytes_per_token))
         object.__setattr__(self, "state_bytes", _as_pos_float("state_bytes", self.state_bytes, allow_zero=True))
+        for name in ("suffix_overhead", "fixed_seconds"):
+            object.__setattr__(self, name, _as_pos_float(name, getattr(self, name), allow_zero=True))
         if not callable(self.replay_time):
             raise TypeError("replay_time must be callable F(tokens) -> seconds")
         f0 = float(self.replay_time(0))
@@ -97,34 +146,40 @@ class BlockCost:
 def replay_times(fn: ReplayTime, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """F at many token counts, validated (finite, >= 0, nondecreasing) and made monotone.
 
-    A callable with a truthy ``vectorized`` attribute is called once on an array (profiles are).
+    A callable with a truthy ``vectorized`` attribute is called once on the array as given (profiles are; the
+    planner calls this on every plan, so it stays a few numpy calls); others once per distinct count.
     """
     t = np.asarray(tokens, dtype=np.int64)
     if t.size == 0:
         return np.zeros(0)
     flat = t.ravel()
-    if flat.size == 1 or bool(np.all(flat[1:] > flat[:-1])):
-        uniq, inv = flat, None  # already strictly increasing (the planner's grid): skip the sort
+    if getattr(fn, "vectorized", False):
+        vals = np.asarray(fn(flat), dtype=np.float64).reshape(flat.shape)
     else:
         uniq, inv = np.unique(flat, return_inverse=True)
-    if getattr(fn, "vectorized", False):
-        vals = np.asarray(fn(uniq), dtype=np.float64).reshape(uniq.shape)
-    else:
-        vals = np.fromiter((float(fn(int(x))) for x in uniq), dtype=np.float64, count=uniq.size)
-    if not np.all(np.isfinite(vals)) or np.any(vals < 0):
+        u = np.fromiter((float(fn(int(x))) for x in uniq), dtype=np.float64, count=uniq.size)
+        vals = u[inv.ravel()]
+    if not np.isfinite(vals).all() or vals.min() < 0:
         raise ValueError("replay_time must return finite values >= 0")
-    if uniq.size > 1:
-        drop = vals[1:] - vals[:-1]
-        if np.any(drop < 0):
-            scale = max(float(vals.max()), 1e-300)
-            if np.any(drop < -1e-9 * scale):
+    if flat.size > 1:
+        order = None if (flat[1:] >= flat[:-1]).all() else np.argsort(flat, kind="stable")
+        sv = vals if order is None else vals[order]
+        drop = np.diff(sv)
+        if (drop < 0).any():
+            scale = max(float(sv.max()), 1e-300)
+            if (drop < -1e-9 * scale).any():
                 i = int(np.argmin(drop))
+                st = flat if order is None else flat[order]
                 raise ValueError(
-                    f"replay_time must be nondecreasing: F({uniq[i]})={vals[i]!r} > F({uniq[i + 1]})={vals[i + 1]!r}"
+                    f"replay_time must be nondecreasing: F({st[i]})={sv[i]!r} > F({st[i + 1]})={sv[i + 1]!r}"
                 )
-            vals = np.maximum.accumulate(vals)
-    out = vals if inv is None else vals[inv.ravel()]
-    return out.reshape(t.shape)
+            fixed = np.maximum.accumulate(sv)
+            if order is None:
+                vals = fixed
+            else:
+                vals = np.empty_like(vals)
+                vals[order] = fixed
+    return vals.reshape(t.shape)
 
 
 @dataclass(frozen=True)
@@ -147,12 +202,13 @@ class StaircaseCost:
     load_seconds: float
     recompute_seconds: float  # P
     load_bytes: float  # Q
-    suffix_seconds_per_block: float  # sum_r sigma_r
+    suffix_seconds_per_block: float  # sum_r sigma_r (+ the suffix call's overhead)
     per_request: tuple[RequestCost, ...]
+    fixed_seconds: float = 0.0
 
     @property
     def total_seconds(self) -> float:
-        return max(self.compute_seconds, self.load_seconds)
+        return max(self.compute_seconds, self.load_seconds) + self.fixed_seconds
 
 
 def validate_staircase(
@@ -184,7 +240,8 @@ def validate_staircase(
 
 
 def price_staircase(
-    N: np.ndarray, J: np.ndarray, FJ: np.ndarray, sigma: np.ndarray, cost: BlockCost, bandwidth: float
+    N: np.ndarray, J: np.ndarray, FJ: np.ndarray, sigma: np.ndarray, cost: BlockCost, bandwidth: float,
+    has_suffix: bool = False,
 ) -> StaircaseCost:
     """Objective parts from arrays: N [r], boundaries J and their F values FJ [r, block], sigma [r]."""
     s, R = cost.kv_bytes_per_token, cost.state_bytes
@@ -204,7 +261,8 @@ def price_staircase(
         )
         for i in range(N.size)
     )
-    P, Q, sig = float(P_r.sum()), float(Q_r.sum()), float(sigma.sum())
+    P, Q = float(P_r.sum()), float(Q_r.sum())
+    sig = float(sigma.sum()) + suffix_call(cost, sigma.size > 0 and has_suffix)
     return StaircaseCost(
         compute_seconds=P + cost.num_blocks * sig,
         load_seconds=Q / bandwidth + sig,
@@ -212,7 +270,13 @@ def price_staircase(
         load_bytes=Q,
         suffix_seconds_per_block=sig,
         per_request=per,
+        fixed_seconds=cost.fixed_seconds,
     )
+
+
+def suffix_call(cost: BlockCost, has_suffix: bool) -> float:
+    """Seconds per block the suffix call adds beyond sum_r sigma_r (once per block, when there is a suffix)."""
+    return cost.suffix_overhead if has_suffix else 0.0
 
 
 def evaluate_staircase(
@@ -231,4 +295,4 @@ def evaluate_staircase(
     n = J.size
     FJ = vals[:n].reshape(J.shape)
     sigma = vals[n + N.size :] - vals[n : n + N.size]
-    return price_staircase(N, J, FJ, sigma, cost, bandwidth)
+    return price_staircase(N, J, FJ, sigma, cost, bandwidth, bool((Ns > 0).any()))

@@ -4,15 +4,34 @@ For request r and block (= layer) i the plan says j_ri: tokens [start_r, j_ri) a
 are loaded from a store (one entry per (chunk, layer)). Order of work, which is what the planner's objective
 max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1):
 
-* I/O thread: layers in order 0..L-1, for each layer every request's chunks from j_ri on; each entry is read,
-  verified by the store (checksum, length, token ids), checked for shape, and written into the request's pages
-  of that layer. After a layer's last entry it signals that layer (a ``threading.Event``; on CUDA also an
-  event recorded on its own stream, which the compute stream waits on, so copies overlap compute).
+* I/O thread: layers in order 0..L-1, for each layer every request's chunks from j_ri on, in batches (one
+  ``store.fetch`` round trip per batch of up to ``LoadConfig.batch_bytes``). The next batch is fetched before
+  this one is verified and placed (``read_ahead``), so the link keeps moving bytes while the CPU checks them.
+  Each entry is verified by the store (checksum, length, token ids) without a copy, checked for shape, and copied
+  once into the request's pages of that layer (whole pages: loads are chunk-aligned). On CUDA the entries of a
+  batch go into a pinned staging buffer (a ring of two, reused across batches once their copy event has
+  passed), then one non-blocking host-to-device copy and the page writes run on the I/O thread's own stream.
+  Verify + stage run on ``LoadConfig.workers`` threads (CRC-32 and tensor copies release the GIL); 0 on CPU,
+  where the one other core is the compute thread's. After a layer's last batch it signals that layer (a
+  ``threading.Event``; on CUDA also an event recorded on the I/O stream, which the compute stream waits on,
+  so copies overlap compute). A store without ``fetch`` is read entry by entry (``get_entry``).
 * compute thread (the caller): first the staircase: the embeddings of [start, j_0) through layer 0, keep the
   rows [start, j_1) of its output for layer 1, and so on (causal attention: recomputed tokens attend only to
   earlier tokens, all recomputed or already on the device); every layer writes its K/V into the pages. Then
   the suffix (the new tokens) layer by layer, each layer as soon as its loads are in; then logits of the last
   suffix row. So compute does P + L*sigma and the last suffix layer waits for all loads (Q/B + sigma).
+  On CUDA nothing on the compute side synchronises the host per layer: layer times come from CUDA events read
+  once at the end (the profile's F(t), the suffix and wait figures).
+
+Stealing (``LoadConfig.steal``, off by default, on in the engine for hybrid plans): a plan is only as good as
+its prediction, and a compute thread slowed by anything the profile did not see (another process on the core,
+clock changes) leaves the link idle at the end. Then the I/O thread, its planned loads done, takes recompute
+work back: the top chunk [j - C, j) of a staircase layer the compute thread has not started yet is loaded
+instead (the layer with the largest boundary whose step allows it, so the most expensive recompute goes first
+and the staircase stays non-increasing). The compute thread claims each layer's boundary under a lock before
+it runs it, so a layer is either stolen from before it starts or not at all; the suffix waits for the steal in
+flight (at most one chunk). Loads stay correct for the same reasons as planned ones; a failed stolen load is an
+ordinary failure (its position is the new boundary, so the fallback starts at or below it).
 
 Failures: any error on an entry (``StoreError`` or anything else the tier raises, also mid-load) marks that
 (request, chunk) bad; the request leaves the suffix batch, and after the loads end its tokens from the first
@@ -26,17 +45,20 @@ positions, logits) so it knows nothing of the engine's scheduler or page tables.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
 from kvtide.store.base import ChunkCorrupt
 from kvtide.store.keys import ChunkKey
 
-__all__ = ["ModelPort", "RestoreExecutor", "RestoreJob", "RestoreResult", "Segment", "LoadFailure"]
+__all__ = ["LoadConfig", "ModelPort", "RestoreExecutor", "RestoreJob", "RestoreResult", "Segment", "LoadFailure"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +119,36 @@ class RestoreJob:
 
 
 @dataclass(frozen=True)
+class LoadConfig:
+    """How the I/O side moves entries.
+
+    ``batch_bytes``: raw bytes per ``fetch`` (one store round trip; on CUDA one staging slot and one
+    host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
+    the CPU verifies). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
+    CPU device (its spare core already runs this thread) and min(8, cores // 2) on CUDA. ``steal``: see the
+    module docstring.
+    """
+
+    batch_bytes: int = 64 << 20
+    read_ahead: int = 1
+    workers: int | None = None
+    steal: bool = False  # idle link takes recompute chunks of staircase layers not started yet
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_bytes, int) or self.batch_bytes < 1:
+            raise ValueError(f"batch_bytes must be an int >= 1, got {self.batch_bytes!r}")
+        if not isinstance(self.read_ahead, int) or self.read_ahead < 0:
+            raise ValueError(f"read_ahead must be an int >= 0, got {self.read_ahead!r}")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 0):
+            raise ValueError(f"workers must be None or an int >= 0, got {self.workers!r}")
+
+    def resolved_workers(self, device: torch.device) -> int:
+        if self.workers is not None:
+            return self.workers
+        return 0 if device.type != "cuda" else max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(frozen=True)
 class LoadFailure:
     request: int
     layer: int
@@ -116,11 +168,17 @@ class RestoreResult:
     suffix_seconds: float = 0.0  # suffix layers, not counting waits
     wait_seconds: float = 0.0  # compute thread idle, waiting for loads
     load_seconds: float = 0.0  # I/O thread: first load start -> last load end
+    link_wait_seconds: float = 0.0  # I/O thread idle, waiting for bytes to cross the (emulated) link
+    overhead_seconds: float = 0.0  # total minus the compute thread's recompute + suffix + waits
+    load_batches: int = 0
+    stolen_tokens: int = 0  # sum over (request, layer) of tokens the I/O side took over from recompute
+    boundaries: list[list[int]] = field(default_factory=list)  # as executed (stealing lowers planned ones)
     load_bytes: int = 0
     loaded_entries: int = 0
     recomputed_tokens: int = 0  # sum over (request, layer) of j - start
     loaded_tokens: int = 0  # sum over (request, layer) of tokens placed from the store
     layer_recompute_seconds: list[float] = field(default_factory=list)
+    suffix_layer_seconds: list[float] = field(default_factory=list)
     failures: list[LoadFailure] = field(default_factory=list)
     fallback_requests: list[int] = field(default_factory=list)
     fallback_tokens: int = 0  # positions re-run through every layer by the fallback
@@ -130,7 +188,13 @@ class RestoreResult:
 class _Loads:
     """State shared between the compute thread and the I/O thread."""
 
-    def __init__(self, num_layers: int, device: torch.device) -> None:
+    def __init__(self, num_layers: int, device: torch.device, jobs: Sequence[RestoreJob] = ()) -> None:
+        self.bounds = [list(j.boundaries) for j in jobs]  # current boundaries (stealing lowers unclaimed ones)
+        self.claimed = -1  # staircase layers <= claimed are fixed (the compute thread started them)
+        self.stair_done = threading.Event()
+        self.steal_lock = threading.Lock()  # held by the I/O thread from picking a steal until it is placed
+        self.steal_event: Any = None  # CUDA: recorded on the I/O stream after the last stolen chunk
+        self.stolen = 0
         self.ready = [threading.Event() for _ in range(num_layers)]
         self.cuda_events: list[Any] = [None] * num_layers
         self.failures: list[LoadFailure] = []
@@ -142,45 +206,77 @@ class _Loads:
         self.bytes = 0
         self.entries = 0
         self.tokens = 0
+        self.batches = 0
+        self.link_wait = 0.0
         self.crash: BaseException | None = None
 
 
 class RestoreExecutor:
-    """Executes staircases on a ``ModelPort`` with a store (anything with ``get_entry(key, layer, tokens)``)."""
+    """Executes staircases on a ``ModelPort`` with a store (``fetch``/``open``, or just ``get_entry``)."""
 
-    def __init__(self, port: ModelPort, store: Any, chunk: int) -> None:
+    def __init__(self, port: ModelPort, store: Any, chunk: int, load: LoadConfig | None = None) -> None:
         if chunk <= 0:
             raise ValueError(f"chunk must be > 0 tokens, got {chunk}")
         self.port = port
         self.store = store
         self.chunk = chunk
+        self.load = load or LoadConfig()
 
     # ------------------------------------------------------------------------------------- I/O side
+    def _work(self, jobs: Sequence[RestoreJob]) -> list[tuple[int, list[tuple[int, int, int, int]]]]:
+        """Per layer, in order, the batches of (request, chunk, first token, end token) to load."""
+        C = self.chunk
+        heads, dim = self.port.kv_entry_shape()
+        per_entry = 2 * C * heads * dim * 2 + 4 * C + 256  # bf16 estimate: only sizes the batches
+        per_batch = max(1, self.load.batch_bytes // per_entry)
+        out = []
+        for layer in range(self.port.num_layers):
+            items = []
+            for r, job in enumerate(jobs):
+                lo = job.boundaries[layer]
+                for c in range(lo // C, -(-job.cached // C)) if lo < job.cached else ():
+                    items.append((r, c, max(c * C, lo), min((c + 1) * C, job.cached)))
+            for i in range(0, len(items), per_batch):
+                out.append((layer, items[i:i + per_batch]))
+        return out
+
     def _load_all(self, jobs: Sequence[RestoreJob], st: _Loads) -> None:
-        port, C = self.port, self.chunk
+        port = self.port
         cuda = port.device.type == "cuda"
-        stream = torch.cuda.Stream(device=port.device) if cuda else None
+        stream = _io_stream(port.device) if cuda else None
         st.t_start = time.perf_counter()
+        nxt = 0  # layers below are signalled
+
+        def signal(upto: int) -> None:  # layers are signalled in order: the suffix consumes them in order
+            nonlocal nxt
+            while nxt < upto:
+                if cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    st.cuda_events[nxt] = ev
+                st.ready[nxt].set()
+                nxt += 1
+
         try:
-            with torch.cuda.stream(stream) if cuda else _nullctx():
-                for layer in range(port.num_layers):
-                    for r, job in enumerate(jobs):
-                        lo = job.boundaries[layer]
-                        if lo >= job.cached:
-                            continue
-                        if r in st.failed_requests and _skip_after_failure(st, r):
-                            with st.lock:  # not loaded: the fallback must start at or below lo
-                                st.failures.append(LoadFailure(r, layer, lo // C, lo, "Skipped", "tier unavailable"))
-                            continue
-                        for c in range(lo // C, -(-job.cached // C)):
-                            if st.stop.is_set():
-                                return
-                            self._load_one(job, r, layer, c, lo, st)
-                    if cuda:
-                        ev = torch.cuda.Event()
-                        ev.record(stream)
-                        st.cuda_events[layer] = ev
-                    st.ready[layer].set()
+            with (torch.cuda.device(port.device) if cuda else _nullctx()), \
+                    (torch.cuda.stream(stream) if cuda else _nullctx()):
+                work = self._work(jobs)
+                left = [0] * port.num_layers
+                for layer, _ in work:
+                    left[layer] += 1
+                first_busy = lambda: next((i for i in range(port.num_layers) if left[i]), port.num_layers)  # noqa: E731
+                signal(first_busy())
+                if hasattr(self.store, "fetch") and hasattr(self.store, "open"):
+                    steps = self._pipelined(jobs, work, st)
+                else:
+                    steps = self._one_by_one(jobs, work, st)
+                for layer in steps:
+                    left[layer] -= 1
+                    signal(first_busy())
+                    if st.stop.is_set():
+                        return
+                if self.load.steal and hasattr(self.store, "fetch"):
+                    self._steal(jobs, st, stream)
         except BaseException as e:  # never leave the compute thread waiting
             st.crash = e
         finally:
@@ -189,6 +285,161 @@ class RestoreExecutor:
             st.t_end = time.perf_counter()
             for ev in st.ready:
                 ev.set()
+
+    def _steal(self, jobs: Sequence[RestoreJob], st: _Loads, stream: Any) -> None:
+        """While the staircase runs, load the top chunk of the unstarted layer with the largest boundary."""
+        C = self.chunk
+        L = self.port.num_layers
+        while not st.stair_done.is_set() and not st.stop.is_set():
+            with st.steal_lock:
+                if not self._steal_one(jobs, st, C, L, stream):
+                    return
+
+    def _steal_one(self, jobs: Sequence[RestoreJob], st: _Loads, C: int, L: int, stream: Any) -> bool:
+        """Pick (under the lock) and load one chunk; False when nothing is left to take."""
+        with st.lock:
+            best = None
+            for r, job in enumerate(jobs):
+                if r in st.failed_requests:
+                    continue
+                b = st.bounds[r]
+                for i in range(st.claimed + 1, L):
+                    j = b[i]
+                    floor = max(b[i + 1] if i + 1 < L else job.start, job.start)
+                    new = (j - 1) // C * C
+                    if j > job.start and new >= floor and (best is None or (j, i) > (best[0], best[1])):
+                        best = (j, i, r, new)
+            if best is None:
+                return False
+            j, i, r, new = best
+            st.bounds[r][i] = new
+            st.stolen += j - new
+        f = self.store.fetch([(jobs[r].keys[new // C], i)])
+        self._place(jobs, i, [(r, new // C, new, j)], f, st, None)
+        if stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            st.steal_event = ev
+        return True
+
+    def _live(self, items: list[tuple[int, int, int, int]], layer: int, st: _Loads) -> list[tuple[int, int, int, int]]:
+        """Drop the items of requests whose tier is gone (recorded as skipped, so the fallback starts low enough)."""
+        out, skipped = [], set()
+        for it in items:
+            r = it[0]
+            if r in st.failed_requests and _skip_after_failure(st, r):
+                if r not in skipped:
+                    skipped.add(r)
+                    with st.lock:
+                        st.failures.append(LoadFailure(r, layer, it[1], it[2], "Skipped", "tier unavailable"))
+                continue
+            out.append(it)
+        return out
+
+    def _pipelined(self, jobs: Sequence[RestoreJob], work: list, st: _Loads) -> Iterator[int]:
+        """Fetch batch k+read_ahead while batch k is verified and placed; yields each placed batch's layer."""
+        inflight: deque[tuple[int, list, Any]] = deque()
+        workers = self.load.resolved_workers(self.port.device)
+        pool = _pool(workers) if workers > 1 else None
+        for layer, items in work:
+            items = self._live(items, layer, st)
+            f = self.store.fetch([(jobs[r].keys[c], layer) for r, c, _, _ in items]) if items else None
+            inflight.append((layer, items, f))
+            while len(inflight) > self.load.read_ahead:
+                yield self._place(jobs, *inflight.popleft(), st, pool)
+        while inflight:
+            yield self._place(jobs, *inflight.popleft(), st, pool)
+
+    def _place(self, jobs: Sequence[RestoreJob], layer: int, items: list, f: Any, st: _Loads,
+               pool: ThreadPoolExecutor | None) -> int:
+        if f is None:
+            return layer
+        st.link_wait += f.wait()
+        C = self.chunk
+        heads, dim = self.port.kv_entry_shape()
+        want = (2, C, heads, dim)
+
+        def open_one(i: int) -> torch.Tensor | BaseException:
+            r, c, _, _ = items[i]
+            blob = f.blobs[i]
+            if isinstance(blob, BaseException):
+                return blob
+            key = jobs[r].keys[c]
+            try:
+                kv = self.store.open(blob, key, layer, jobs[r].token_ids[c * C:(c + 1) * C], copy=False).tensor
+                if tuple(kv.shape) != want:
+                    raise ChunkCorrupt(f"entry {key.entry_name(layer)} has shape {list(kv.shape)}, expected "
+                                       f"{list(want)}", key.entry_name(layer))
+                return kv
+            except Exception as e:  # noqa: BLE001 - any failure of a tier means "recompute this", never garbage
+                return e
+
+        idx = range(len(items))
+        opened = list(pool.map(open_one, idx)) if pool is not None else [open_one(i) for i in idx]
+        ok = []
+        for i, kv in enumerate(opened):
+            r, c, a, b = items[i]
+            if isinstance(kv, BaseException):
+                with st.lock:
+                    st.failures.append(LoadFailure(r, layer, c, a, type(kv).__name__, str(kv)[:200]))
+                    st.failed_requests.add(r)
+            else:
+                ok.append((i, kv))
+        if self.port.device.type == "cuda":
+            placed = self._place_cuda(layer, items, ok, pool)
+        else:
+            placed = []
+            for i, kv in ok:
+                r, c, a, b = items[i]
+                self.port.write_kv(layer, r, a, kv[:, a - c * C:b - c * C])
+                placed.append(i)
+        with st.lock:
+            st.batches += 1
+            for i in placed:
+                r, c, a, b = items[i]
+                st.bytes += len(f.blobs[i])
+                st.entries += 1
+                st.tokens += b - a
+        return layer
+
+    def _place_cuda(self, layer: int, items: list, ok: list[tuple[int, torch.Tensor]],
+                    pool: ThreadPoolExecutor | None) -> list[int]:
+        """Stage a batch in pinned memory (parallel copies), one async copy to the device, page writes on the
+        I/O stream (the caller's current stream)."""
+        if not ok:
+            return []
+        C = self.chunk
+        sizes = [kv.numel() * kv.element_size() for _, kv in ok]
+        offs = [0]
+        for n in sizes:
+            offs.append(offs[-1] + -(-n // 64) * 64)
+        # torch's caching host allocator recycles pinned blocks and, having recorded the copy's event on this
+        # stream, hands a block out again only after that copy has finished: no staging block is overwritten early.
+        host = torch.empty(offs[-1], dtype=torch.uint8, pin_memory=True)
+
+        def stage(k: int) -> None:
+            host[offs[k]:offs[k] + sizes[k]].copy_(ok[k][1].reshape(-1).view(torch.uint8))
+
+        if pool is not None:
+            list(pool.map(stage, range(len(ok))))
+        else:
+            for k in range(len(ok)):
+                stage(k)
+        dev = host.to(self.port.device, non_blocking=True)
+        for k, (i, kv) in enumerate(ok):
+            r, c, a, b = items[i]
+            x = dev[offs[k]:offs[k] + sizes[k]].view(kv.dtype).view(kv.shape)
+            self.port.write_kv(layer, r, a, x[:, a - c * C:b - c * C])
+        return [i for i, _ in ok]
+
+    def _one_by_one(self, jobs: Sequence[RestoreJob], work: list, st: _Loads) -> Iterator[int]:
+        """Stores with only ``get_entry`` (wrappers): each entry read, verified and placed in turn."""
+        for layer, items in work:
+            for r, c, a, b in self._live(items, layer, st):
+                self._load_one(jobs[r], r, layer, c, a, st)
+            with st.lock:
+                st.batches += 1
+            yield layer
 
     def _load_one(self, job: RestoreJob, r: int, layer: int, c: int, lo: int, st: _Loads) -> None:
         C = self.chunk
@@ -230,15 +481,14 @@ class RestoreExecutor:
         if cuda:  # page tables and slots the I/O stream reads were made on this stream
             torch.cuda.current_stream(port.device).synchronize()
         t0 = time.perf_counter()
-        st = _Loads(L, port.device)
+        st = _Loads(L, port.device, jobs)
         io = threading.Thread(target=self._load_all, args=(jobs, st), name="kvtide-restore-io", daemon=True)
         io.start()
         res = RestoreResult(logits=torch.empty(0))
+        clock = _Clock(port.device)
         try:
-            self._staircase(jobs, res, cuda, profile)
-            t_suf = time.perf_counter()
-            hs, alive = self._suffix(jobs, st, res, cuda)
-            res.suffix_seconds = time.perf_counter() - t_suf - res.wait_seconds
+            stair = self._staircase(jobs, st, res, clock)
+            hs, alive, suffix_marks, suffix_start = self._suffix(jobs, st, res, clock)
         except BaseException:
             st.stop.set()
             io.join()
@@ -248,6 +498,8 @@ class RestoreExecutor:
             raise RuntimeError("restore I/O thread failed outside a load") from st.crash
         res.failures = list(st.failures)
         res.load_bytes, res.loaded_entries, res.loaded_tokens = st.bytes, st.entries, st.tokens
+        res.load_batches, res.link_wait_seconds, res.stolen_tokens = st.batches, st.link_wait, st.stolen
+        res.boundaries = [list(b) for b in st.bounds]
         res.load_seconds = max(0.0, st.t_end - st.t_start) if any(j.boundaries[-1] < j.cached for j in jobs) else 0.0
 
         last: dict[int, torch.Tensor] = {}
@@ -263,45 +515,75 @@ class RestoreExecutor:
         if cuda:
             torch.cuda.current_stream(port.device).synchronize()
         res.total_seconds = time.perf_counter() - t0
+        self._times(jobs, res, clock, stair, suffix_start, suffix_marks, profile)
         if profile is not None and res.load_bytes and res.load_seconds > 0:
             profile.observe_load(res.load_bytes, res.load_seconds)
         return res
 
-    def _staircase(self, jobs: Sequence[RestoreJob], res: RestoreResult, cuda: bool, profile: Any) -> None:
+    def _times(self, jobs: Sequence[RestoreJob], res: RestoreResult, clock: "_Clock", stair: list,
+               suffix_start: Any, suffix_marks: list, profile: Any) -> None:
+        """Per-layer recompute, suffix and wait times from the marks (CUDA events are read here, once)."""
+        res.layer_recompute_seconds = [clock.between(a, b) for a, b, _ in stair]
+        res.recompute_seconds = clock.between(stair[0][0], stair[-1][1]) if stair else 0.0
+        res.suffix_layer_seconds = [clock.between(a, b) for a, b in suffix_marks]
+        res.suffix_seconds = sum(res.suffix_layer_seconds)
+        if suffix_marks:
+            span = clock.between(suffix_start, suffix_marks[-1][1])
+            res.wait_seconds = max(0.0, span - res.suffix_seconds)
+        busy = res.recompute_seconds + res.suffix_seconds + res.wait_seconds + res.fallback_seconds
+        res.overhead_seconds = max(0.0, res.total_seconds - busy)
+        if profile is not None:
+            for (_, _, segs), dt in zip(stair, res.layer_recompute_seconds):
+                if len(segs) == 1 and segs[0].start == 0 and dt > 0:
+                    profile.observe(segs[0].end, dt)
+
+    def _staircase(self, jobs: Sequence[RestoreJob], st: _Loads, res: RestoreResult, clock: "_Clock") -> list:
         port = self.port
         h: torch.Tensor | None = None
         prev: list[Segment] = []
-        t_all = time.perf_counter()
-        for layer in range(port.num_layers):
-            segs = [Segment(r, j.start, j.boundaries[layer]) for r, j in enumerate(jobs) if j.boundaries[layer] > j.start]
-            if not segs:
-                break
-            if h is not None:
-                h = h.index_select(0, _keep_rows(prev, segs, h.device))
-            t = time.perf_counter()
-            h = port.run_layer(layer, h, segs)
-            if cuda:
-                torch.cuda.current_stream(port.device).synchronize()
-            dt = time.perf_counter() - t
-            res.layer_recompute_seconds.append(dt)
-            res.recomputed_tokens += sum(s.length for s in segs)
-            if profile is not None and len(segs) == 1 and segs[0].start == 0 and dt > 0:
-                profile.observe(segs[0].end, dt)
-            prev = segs
-        res.recompute_seconds = time.perf_counter() - t_all
+        marks = []
+        try:
+            for layer in range(port.num_layers):
+                with st.lock:  # claim the layer: from now on its boundary is fixed
+                    st.claimed = layer
+                    segs = [Segment(r, j.start, st.bounds[r][layer]) for r, j in enumerate(jobs)
+                            if st.bounds[r][layer] > j.start]
+                if not segs:
+                    break
+                h = self._stair_layer(layer, h, prev, segs, res, clock, marks)
+                prev = segs
+        finally:
+            with st.lock:
+                st.claimed = port.num_layers
+            st.stair_done.set()
+        return marks
+
+    def _stair_layer(self, layer: int, h: torch.Tensor | None, prev: list[Segment], segs: list[Segment],
+                     res: RestoreResult, clock: "_Clock", marks: list) -> torch.Tensor:
+        if h is not None:
+            h = h.index_select(0, _keep_rows(prev, segs, h.device))
+        a = clock.mark()
+        h = self.port.run_layer(layer, h, segs)
+        marks.append((a, clock.mark(), segs))
+        res.recomputed_tokens += sum(s.length for s in segs)
+        return h
 
     def _suffix(
-        self, jobs: Sequence[RestoreJob], st: _Loads, res: RestoreResult, cuda: bool
-    ) -> tuple[torch.Tensor | None, list[int]]:
+        self, jobs: Sequence[RestoreJob], st: _Loads, res: RestoreResult, clock: "_Clock"
+    ) -> tuple[torch.Tensor | None, list[int], list, Any]:
         port = self.port
         alive = list(range(len(jobs)))
         h: torch.Tensor | None = None
+        marks: list = []
+        start = clock.mark()
+        with st.steal_lock:  # no steal starts after the staircase; wait for the one in flight, if any
+            pass
+        if clock.cuda and st.steal_event is not None:
+            torch.cuda.current_stream(port.device).wait_event(st.steal_event)
         for layer in range(port.num_layers):
-            t = time.perf_counter()
             st.ready[layer].wait()
-            if cuda and st.cuda_events[layer] is not None:
+            if clock.cuda and st.cuda_events[layer] is not None:
                 torch.cuda.current_stream(port.device).wait_event(st.cuda_events[layer])
-            res.wait_seconds += time.perf_counter() - t
             with st.lock:
                 failed = set(st.failed_requests)
             if failed & set(alive):
@@ -312,9 +594,11 @@ class RestoreExecutor:
                     h = h.index_select(0, _keep_rows(old, new, h.device)) if keep else None
                 alive = keep
             if not alive:
-                return None, []
+                return None, [], marks, start
+            a = clock.mark()
             h = port.run_layer(layer, h, [Segment(r, jobs[r].cached, jobs[r].total) for r in alive])
-        return h, alive
+            marks.append((a, clock.mark()))
+        return h, alive, marks, start
 
     def _fallback(
         self, jobs: Sequence[RestoreJob], bad: list[int], failures: list[LoadFailure], res: RestoreResult, cuda: bool
@@ -359,6 +643,47 @@ def _keep_rows(prev: Sequence[Segment], segs: Sequence[Segment], device: torch.d
         o += s.length
     idx = [torch.arange(off[s.request], off[s.request] + s.length) for s in segs]
     return torch.cat(idx).to(device)
+
+
+class _Clock:
+    """Time marks on the compute side: ``perf_counter`` on CPU; CUDA events on CUDA, read once at the end, so
+    timing never makes the host wait for the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def between(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+_STREAMS: dict[int, Any] = {}
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _io_stream(device: torch.device) -> Any:
+    """The I/O side's own CUDA stream per device (made once: loads of successive restorations share it)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _SHARED_LOCK:
+        if idx not in _STREAMS:
+            _STREAMS[idx] = torch.cuda.Stream(device=torch.device("cuda", idx))
+        return _STREAMS[idx]
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A shared pool of ``n`` verify/stage threads (made once per size)."""
+    with _SHARED_LOCK:
+        if n not in _POOLS:
+            _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvtide-restore-verify")
+        return _POOLS[n]
 
 
 class _nullctx:

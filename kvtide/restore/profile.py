@@ -4,17 +4,30 @@ The engine reports (tokens, seconds) after prefills it runs anyway; F is rebuilt
 one slow outlier (GC pause, page fault) does not move the plan. Buckets are log-spaced because prefill
 lengths span orders of magnitude and relative accuracy is what matters.
 
-Shape of F (``convex=True``, the default): isotonic (nondecreasing) medians, then their lower convex hull,
-extended affinely below the first observation and clamped at 0 with F(0) = 0. That is "per-call overhead +
-convex work": convex for t > 0 with a possible jump at 0, the structure the planner's fast solver needs,
-and it smooths measurement noise that would otherwise fake non-convexity. With ``convex=False`` F is the
-monotone piecewise-linear interpolation of the medians through (0, 0).
+Shape of F (``convex=True``, the default): the least-squares convex, nondecreasing piecewise-linear fit of the
+bucket medians (relative error, weighted by count): F(t) = a + b t + sum_k c_k max(0, t - t_k) over the bucket
+positions t_k with a, b, c_k >= 0, solved as a non-negative least-squares problem; extended affinely below the
+first bucket and clamped at 0 with F(0) = 0. That is "per-call overhead + convex work": convex for t > 0 with a
+possible jump at 0, the structure the planner's fast solver needs. A least-squares fit passes through the middle
+of noisy medians; the lower convex hull used before ran under them wherever they were not convex (on the 2-core
+CPU, executor layers of 384-448 tokens measured 15% above the hull's chord), and a prediction that sums F over
+30 layers inherits such a bias whole. With ``convex=False`` F is the monotone piecewise-linear interpolation of
+the medians through (0, 0).
 Above the largest observation F grows like a power law t^p with p in [1, 2] taken from the last two knots
 (attention makes long prefixes superlinear), never below the linear continuation.
+
+Besides F and the bandwidth, what the staircase objective needs to predict a restoration as the executor runs it
+(``kvtide.restore.costs.BlockCost``, ``ExecutorReplayTime``): ``suffix_overhead``, seconds per block a suffix
+layer call takes beyond F(N + Ns) - F(N) (a call's fixed cost cancels out of that difference; before any
+observation the prior is F(1), a one-token call); ``fixed_overhead``, seconds of a restoration outside both
+paths; ``compute_scale``, measured over modelled staircase time; and ``call_overhead``, F's intercept (the part
+of a layer call that a batch pays once). The first three are EWMAs of what the executor measured, with the
+bandwidth's weight.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import threading
@@ -65,6 +78,20 @@ def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.repeat(np.array(vals), lens)
 
 
+def _convex_fit(t: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Values at ``t`` of the convex nondecreasing piecewise-linear function with least weighted relative squared
+    error: a + b t + sum_k c_k max(0, t - t_k), all coefficients >= 0 (NNLS)."""
+    from scipy.optimize import nnls
+
+    cols = [np.ones_like(t), t] + [np.maximum(0.0, t - tk) for tk in t[1:-1]]
+    A = np.stack(cols, axis=1)
+    scale = np.sqrt(w) / np.maximum(y, 1e-12)  # relative error, more weight to fuller buckets
+    colnorm = np.maximum(np.abs(A).max(0), 1e-300)  # conditioning: t spans orders of magnitude
+    beta, _ = nnls(A * scale[:, None] / colnorm, y * scale, maxiter=50 * A.shape[1])
+    f = A @ (beta / colnorm)
+    return np.maximum.accumulate(np.maximum(f, 0.0))
+
+
 def _lower_hull(t: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Indices of the lower convex hull of points sorted by t (monotone chain)."""
     idx: list[int] = []
@@ -80,6 +107,50 @@ def _lower_hull(t: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.array(idx, dtype=np.int64)
 
 
+def _pieces(t: np.ndarray, y: np.ndarray, convex: bool) -> tuple:
+    """Constants of F outside the knots: (tokens, seconds) lists, first slope, last slope, power p."""
+    tl, yl = t.tolist(), y.tolist()
+    if t.size < 2:
+        return tl, yl, 0.0, 0.0, 1.0, convex
+    slope0 = (yl[1] - yl[0]) / (tl[1] - tl[0])
+    slope_n = (yl[-1] - yl[-2]) / (tl[-1] - tl[-2])
+    p = 1.0
+    if yl[-2] > 0 and yl[-1] > yl[-2]:
+        p = min(max(math.log(yl[-1] / yl[-2]) / math.log(tl[-1] / tl[-2]), 1.0), 2.0)
+    return tl, yl, slope0, slope_n, p, convex
+
+
+def _eval_scalar(x: float, pieces: tuple) -> float:
+    """F(x) for x > 0 (the same function as ``_eval_array``)."""
+    tl, yl, slope0, slope_n, p, convex = pieces
+    if len(tl) == 1:
+        return yl[0] * x / tl[0]
+    if x < tl[0]:
+        return max(yl[0] + slope0 * (x - tl[0]), 0.0) if convex else yl[0] * x / tl[0]
+    if x > tl[-1]:
+        return max(yl[-1] + slope_n * (x - tl[-1]), yl[-1] * (x / tl[-1]) ** p)
+    i = bisect.bisect_right(tl, x)
+    if i >= len(tl):
+        return yl[-1]
+    t0, t1, y0, y1 = tl[i - 1], tl[i], yl[i - 1], yl[i]
+    return y0 + (y1 - y0) * (x - t0) / (t1 - t0)
+
+
+def _eval_array(x: np.ndarray, t: np.ndarray, y: np.ndarray, pieces: tuple) -> np.ndarray:
+    tl, yl, slope0, slope_n, p, convex = pieces
+    if t.size == 1:
+        return y[0] * x / t[0]  # one point: proportional through the origin
+    out = np.interp(x, t, y)
+    lo, hi = x < tl[0], x > tl[-1]
+    if lo.any():
+        below = np.maximum(yl[0] + slope0 * (x - tl[0]), 0.0) if convex else yl[0] * x / tl[0]
+        out = np.where(lo, below, out)
+    if hi.any():
+        ratio = np.maximum(x, tl[-1]) / tl[-1]
+        out = np.where(hi, np.maximum(yl[-1] + slope_n * (x - tl[-1]), yl[-1] * ratio**p), out)
+    return out
+
+
 class LatencyProfile:
     """F(t): seconds to replay t tokens through one block; plus the measured load bandwidth (bytes/s)."""
 
@@ -91,8 +162,11 @@ class LatencyProfile:
         self._buckets: dict[int, deque[tuple[int, float]]] = {}
         self._bandwidth: float | None = None
         self._load_observations = 0
+        self._suffix_overhead: float | None = None
+        self._fixed_overhead: float | None = None
+        self._compute_scale: float | None = None
         self._lock = threading.Lock()
-        self._knots: tuple[np.ndarray, np.ndarray] | None = None
+        self._knots: tuple[tuple[np.ndarray, np.ndarray], tuple] | None = None
 
     # ------------------------------------------------------------------ observations
 
@@ -125,6 +199,60 @@ class LatencyProfile:
             self._bandwidth = bw if self._bandwidth is None else a * bw + (1 - a) * self._bandwidth
             self._load_observations += 1
 
+    def _ewma(self, old: float | None, new: float) -> float:
+        a = self.config.bandwidth_alpha
+        return new if old is None else a * new + (1 - a) * old
+
+    def observe_suffix(self, per_block_seconds: float, modelled_seconds: float) -> None:
+        """A suffix layer call took ``per_block_seconds`` where F(N + Ns) - F(N) summed to ``modelled_seconds``."""
+        x = float(per_block_seconds) - float(modelled_seconds)
+        if math.isfinite(x):
+            with self._lock:
+                self._suffix_overhead = self._ewma(self._suffix_overhead, max(0.0, x))
+
+    def observe_overhead(self, seconds: float) -> None:
+        """A restoration spent ``seconds`` outside its compute and load paths."""
+        x = float(seconds)
+        if math.isfinite(x) and x >= 0:
+            with self._lock:
+                self._fixed_overhead = self._ewma(self._fixed_overhead, x)
+
+    def observe_compute(self, seconds: float, modelled_seconds: float) -> None:
+        """A staircase took ``seconds`` where the cost model (F summed over its layers) said ``modelled_seconds``.
+
+        F is a per-bucket median of single layer calls; a sum over 30 layers runs at their mean, ~5-10% above the
+        median on a shared CPU (a descheduled layer is slow, none is fast), and batched layer calls differ from
+        the additive model. The ratio (EWMA, clamped to [0.5, 2]) scales F in the plan's cost.
+        """
+        s, m = float(seconds), float(modelled_seconds)
+        if s > 0 and m > 0 and math.isfinite(s / m):
+            with self._lock:
+                self._compute_scale = self._ewma(self._compute_scale, min(max(s / m, 0.5), 2.0))
+
+    @property
+    def compute_scale(self) -> float:
+        return self._compute_scale or 1.0
+
+    @property
+    def call_overhead(self) -> float:
+        """F's fixed cost of one layer call (its value at t -> 0+): the intercept of the fit, in [0, F(first knot)]."""
+        (t, _), pieces = self._curve()
+        if t.size < 2:
+            return 0.0
+        tl, yl, slope0 = pieces[0], pieces[1], pieces[2]
+        return min(max(0.0, yl[0] - slope0 * tl[0]), yl[0])
+
+    @property
+    def suffix_overhead(self) -> float:
+        """Seconds per block a suffix call costs beyond the F difference (prior: F(1), one-token call)."""
+        if self._suffix_overhead is not None:
+            return self._suffix_overhead
+        return float(self(1))
+
+    @property
+    def fixed_overhead(self) -> float:
+        return self._fixed_overhead or 0.0
+
     def reset_bandwidth(self) -> None:
         """Forget the load-bandwidth estimate (the link changed); F(t) is kept."""
         with self._lock:
@@ -143,9 +271,15 @@ class LatencyProfile:
 
     def knots(self) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, seconds) points F interpolates, after median, isotonic and (optional) convex steps."""
+        return self._curve()[0]
+
+    def _curve(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple]:
+        """Knots and the constants of the pieces outside them, refit only after new observations (the planner
+        calls F on every plan: this keeps a call to a few microseconds)."""
         with self._lock:
             if self._knots is None:
-                self._knots = self._fit()
+                t, y = self._fit()
+                self._knots = ((t, y), _pieces(t, y, self.config.convex))
             return self._knots
 
     def _fit(self) -> tuple[np.ndarray, np.ndarray]:
@@ -157,38 +291,28 @@ class LatencyProfile:
             rows.append((float(np.median(arr[:, 0])), float(np.median(arr[:, 1])), len(q)))
         rows.sort()
         t = np.array([r[0] for r in rows])
-        y = _isotonic(np.array([r[1] for r in rows]), np.array([r[2] for r in rows], dtype=np.float64))
+        w = np.array([r[2] for r in rows], dtype=np.float64)
+        y = np.array([r[1] for r in rows])
         if self.config.convex and t.size > 2:
-            h = _lower_hull(t, y)
-            t, y = t[h], y[h]
-        return t, y
+            return t, _convex_fit(t, y, w)
+        return t, _isotonic(y, w)
 
     def __call__(self, tokens):  # type: ignore[no-untyped-def]
+        (t, y), pieces = self._curve()
+        if isinstance(tokens, (int, float, np.integer, np.floating)):  # scalar: plain Python, no arrays
+            x = float(tokens)
+            if x <= 0:
+                return 0.0
+            if t.size == 0:
+                return float(self.fallback(x))
+            return _eval_scalar(x, pieces)
         x = np.asarray(tokens, dtype=np.float64)
-        t, y = self.knots()
         if t.size == 0:
             out = np.asarray(self.fallback(x), dtype=np.float64)
         else:
-            out = self._interp(x, t, y)
+            out = _eval_array(x, t, y, pieces)
         out = np.where(x <= 0, 0.0, out)
         return float(out) if out.ndim == 0 else out
-
-    def _interp(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        if t.size == 1:
-            return y[0] * x / t[0]  # one point: proportional through the origin
-        inside = np.interp(x, t, y)
-        if self.config.convex:
-            slope0 = (y[1] - y[0]) / (t[1] - t[0])
-            below = np.maximum(y[0] + slope0 * (x - t[0]), 0.0)
-        else:
-            below = y[0] * x / t[0]
-        slope_n = (y[-1] - y[-2]) / (t[-1] - t[-2])
-        p = 1.0
-        if y[-2] > 0 and y[-1] > y[-2]:
-            p = min(max(math.log(y[-1] / y[-2]) / math.log(t[-1] / t[-2]), 1.0), 2.0)
-        ratio = np.maximum(x, t[-1]) / t[-1]
-        above = np.maximum(y[-1] + slope_n * (x - t[-1]), y[-1] * ratio**p)
-        return np.where(x < t[0], below, np.where(x > t[-1], above, inside))
 
     # ------------------------------------------------------------------ persistence
 
@@ -200,6 +324,9 @@ class LatencyProfile:
                 "observations": {str(b): [list(o) for o in q] for b, q in sorted(self._buckets.items())},
                 "bandwidth": self._bandwidth,
                 "load_observations": self._load_observations,
+                "suffix_overhead": self._suffix_overhead,
+                "fixed_overhead": self._fixed_overhead,
+                "compute_scale": self._compute_scale,
             }
 
     @classmethod
@@ -213,6 +340,9 @@ class LatencyProfile:
         bw = d.get("bandwidth")
         prof._bandwidth = None if bw is None else float(bw)
         prof._load_observations = int(d.get("load_observations", 0))
+        for name in ("suffix_overhead", "fixed_overhead", "compute_scale"):
+            v = d.get(name)
+            setattr(prof, "_" + name, None if v is None else float(v))
         return prof
 
     def to_json(self) -> str:

@@ -3,6 +3,11 @@
 The wrapped store does the real read (and its checks); the wrapper then holds the caller until the bytes
 could have crossed a link of the given rate. All users of one ``TokenBucket`` share the link, as
 concurrent loads share a NIC.
+
+With ``burst_bytes = 0`` the bucket is a FIFO timeline of the link: ``reserve`` books the bytes behind everything
+booked before and says when they will have arrived. ``get_entry`` books and waits at once (the link idles
+while the caller verifies and places the entry); ``fetch`` only books, so a caller that fetches the next batch
+before it verifies this one keeps the link busy, as a NIC that DMAs into a receive buffer does.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from kvtide.store.base import Entry, KVStore, StoreError, StoreStats
+from kvtide.store.base import Entry, Fetched, KVStore, StoreError, StoreStats
 from kvtide.store.keys import ChunkKey
 
 
@@ -97,6 +102,18 @@ class BandwidthLimitedStore:
         if n:
             self.bucket.consume(n)
         return {i: (e.tensor if isinstance(e, Entry) else e) for i, e in entries.items()}
+
+    def fetch(self, items: Sequence[tuple[ChunkKey, int]]) -> Fetched:
+        """The inner tier's bytes, with ``ready_at`` when they are across the link (booked now, not waited for)."""
+        f = self.inner.fetch(items)
+        if f.nbytes:
+            f.ready_at = time.perf_counter() + self.bucket.reserve(f.nbytes)
+        return f
+
+    def open(
+        self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, *, copy: bool = True
+    ) -> Entry:
+        return self.inner.open(blob, key, layer, tokens, copy=copy)
 
     def contains(self, key: ChunkKey, layer: int) -> bool:
         return self.inner.contains(key, layer)

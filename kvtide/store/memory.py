@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Sequence
 
 from kvtide.store.base import ChunkMissing, KVStore
 
@@ -64,6 +65,17 @@ class MemoryStore(KVStore):
                 raise ChunkMissing(f"{name}: not in memory store", name)
             self._data.move_to_end(name)
             return blob
+
+    def _read_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """One lock for a whole batch (the executor fetches a layer's chunks at once)."""
+        out: list[bytes | None] = []
+        with self._lock:
+            for n in names:
+                blob = self._data.get(n)
+                if blob is not None:
+                    self._data.move_to_end(n)
+                out.append(blob)
+        return out
 
     def _delete(self, name: str) -> None:
         with self._lock:

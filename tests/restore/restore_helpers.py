@@ -16,9 +16,9 @@ _LLMS: dict[str, LLM] = {}
 
 
 def restore_llm(model: str = "smollm2-135m", kv_dtype: str = "float32", prefix_caching: bool = False,
-                **restore_kw: Any) -> LLM:
+                num_pages: int | None = None, **restore_kw: Any) -> LLM:
     """One engine per configuration per session (loading is the slow part); KV store in memory unless told."""
-    key = f"{model}|{kv_dtype}|{prefix_caching}|{sorted(restore_kw.items())}"
+    key = f"{model}|{kv_dtype}|{prefix_caching}|{num_pages}|{sorted(restore_kw.items())}"
     if key not in _LLMS and len(_LLMS) >= 2:  # bound memory: drop the oldest engine
         old = _LLMS.pop(next(iter(_LLMS)))
         if old.engine.restorer is not None and old.engine.restorer.writer is not None:
@@ -29,7 +29,8 @@ def restore_llm(model: str = "smollm2-135m", kv_dtype: str = "float32", prefix_c
         gc.collect()
     if key not in _LLMS:
         _LLMS[key] = LLM(model, progress=False,
-                         cache=CacheConfig(kv_dtype=kv_dtype, enable_prefix_caching=prefix_caching),
+                         cache=CacheConfig(kv_dtype=kv_dtype, enable_prefix_caching=prefix_caching,
+                                           **({"num_pages": num_pages} if num_pages else {})),
                          restore=RestoreConfig(chunk_tokens=CHUNK, **restore_kw))
     return _LLMS[key]
 
@@ -99,7 +100,8 @@ def mixed_staircase(n: int, layers: int) -> list[int]:
 
 
 class FailAfter:
-    """A store wrapper whose loads succeed ``ok`` times, then raise (a tier dying in the middle of a load)."""
+    """A store wrapper whose loads succeed ``ok`` entries, then fail (a tier dying in the middle of a load),
+    through both load paths: entry by entry (``get_entry``) and in bulk (``fetch``)."""
 
     def __init__(self, inner: Any, ok: int, exc: BaseException | None = None) -> None:
         self.inner = inner
@@ -113,5 +115,28 @@ class FailAfter:
             raise self.exc
         return self.inner.get_entry(key, layer, tokens)
 
+    def fetch(self, items):  # noqa: ANN001
+        f = self.inner.fetch(items)
+        for i in range(len(f.blobs)):
+            self.calls += 1
+            if self.calls > self.ok:
+                f.blobs[i] = self.exc
+        return f
+
     def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class EntryByEntry:
+    """A store wrapper with only ``get_entry`` (like a shard's view): the executor's one-by-one load path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def get_entry(self, key, layer, tokens):  # noqa: ANN001
+        return self.inner.get_entry(key, layer, tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("fetch", "open"):
+            raise AttributeError(name)
         return getattr(self.inner, name)

@@ -304,3 +304,55 @@ def test_optimum_beats_cake_for_a_batch_with_setup_costs() -> None:
     p = plan(reqs, cost, 1.25e9, 256)
     c = bl.cake(reqs, cost, 1.25e9, 256)
     assert p.predicted_seconds <= c.predicted_seconds
+
+
+@pytest.mark.parametrize("kind", ["convex", "setup", "any"])
+def test_exact_with_suffix_call_overhead_and_fixed_time(kind: str) -> None:
+    """The executor's overheads (one suffix call per block, a fixed part) are in the objective the DP minimises."""
+    rng = random.Random(zlib.crc32(f"{kind}overhead".encode()))
+    for _ in range(30):
+        reqs, cost, B, C = instance(rng, R_zero=True, on_grid=rng.random() < 0.5, kind=kind)
+        c, fixed = rng.uniform(0.0, 3.0), rng.uniform(0.0, 2.0)
+        oc = BlockCost(cost.num_blocks, cost.kv_bytes_per_token, 0.0, cost.replay_time, suffix_overhead=c,
+                       fixed_seconds=fixed)
+        L, s, F = oc.num_blocks, oc.kv_bytes_per_token, oc.replay_time
+        sig = sum(F(r.cached_tokens + r.suffix_tokens) - F(r.cached_tokens) for r in reqs)
+        sig += c if any(r.suffix_tokens for r in reqs) else 0.0
+        best = np.inf  # brute force with the overheads written out
+        P_tot, Q_tot = np.zeros(1), np.zeros(1)
+        for r in reqs:
+            combos = list(itertools.combinations_with_replacement(grid(r.cached_tokens, C), L))
+            P_tot = (P_tot[:, None] + np.array([sum(F(j) for j in cb) for cb in combos])[None, :]).ravel()
+            Q_tot = (Q_tot[:, None] + np.array([sum(s * (r.cached_tokens - j) for j in cb) for cb in combos])[None, :]).ravel()
+        best = float(np.min(np.maximum(P_tot + L * sig, Q_tot / B + sig))) + fixed
+        p = plan(reqs, oc, B, C)
+        assert_valid(p, reqs, L, C)
+        assert p.predicted_seconds == pytest.approx(best, rel=1e-9, abs=1e-12)
+        assert p.predicted_seconds == pytest.approx(max(p.predicted_compute_seconds, p.predicted_load_seconds) + fixed)
+        for name in ("recompute_only", "load_only", "cake"):
+            q = getattr(bl, name)(reqs, oc, B, C)
+            assert q.predicted_seconds >= p.predicted_seconds - 1e-9
+
+
+def test_overheads_fail_fast() -> None:
+    for bad in ({"suffix_overhead": -1.0}, {"fixed_seconds": float("nan")}):
+        with pytest.raises(ValueError):
+            BlockCost(2, 1.0, **bad)
+
+
+def test_single_request_solver_is_exact() -> None:
+    """The one-request path (auto) against the DP, with setup costs, suffixes and overheads."""
+    rng = random.Random(11)
+    for _ in range(300):
+        C = rng.choice([1, 4, 16, 32])
+        L = rng.randint(1, 32)
+        req = RestoreRequest(rng.randint(0, 40) * C, rng.choice([0, 1, 16, 200]))
+        F = AnalyticReplayTime(overhead=rng.choice([0.0, rng.random() * 3]), per_token=rng.random(),
+                               per_token_sq=rng.random() * rng.choice([0.0, 0.01, 0.1]))
+        cost = BlockCost(L, rng.uniform(0.1, 3.0), 0.0, F, suffix_overhead=rng.choice([0.0, rng.random()]))
+        B = rng.uniform(0.05, 20.0)
+        a = plan([req], cost, B, C)
+        b = plan([req], cost, B, C, method="dp")
+        assert a.method == "fast"
+        assert_valid(a, [req], L, C)
+        assert a.predicted_seconds == pytest.approx(b.predicted_seconds, rel=1e-9, abs=1e-12), (req, L, C, B)

@@ -110,3 +110,87 @@ def test_round_trip_json() -> None:
     assert again.config == prof.config
     with pytest.raises(ValueError):
         LatencyProfile.from_dict({**prof.to_dict(), "version": 99})
+
+
+def test_executor_overheads_learned_and_persisted() -> None:
+    prof = learned(seed=5, bandwidth_alpha=0.5)
+    assert prof.suffix_overhead == pytest.approx(prof(1))  # prior: a one-token layer call
+    assert prof.fixed_overhead == 0.0
+    prof.observe_suffix(0.010, 0.004)  # a suffix call took 10 ms where F's difference said 4 ms
+    assert prof.suffix_overhead == pytest.approx(0.006)
+    prof.observe_suffix(0.002, 0.004)  # faster than the difference: clamped at 0, then averaged
+    assert prof.suffix_overhead == pytest.approx(0.003)
+    prof.observe_overhead(0.02)
+    prof.observe_overhead(0.04)
+    assert prof.fixed_overhead == pytest.approx(0.03)
+    again = LatencyProfile.from_json(prof.to_json())
+    assert again.suffix_overhead == pytest.approx(0.003) and again.fixed_overhead == pytest.approx(0.03)
+    cost = BlockCost(4, 100.0, 0.0, prof, suffix_overhead=prof.suffix_overhead, fixed_seconds=prof.fixed_overhead)
+    with_suffix = plan([RestoreRequest(512, 16)], cost, 1e6, 64)
+    assert with_suffix.predicted_seconds >= 0.03 + 4 * 0.003
+
+
+@pytest.mark.parametrize("convex", [True, False])
+def test_scalar_and_array_evaluation_agree(convex: bool) -> None:
+    prof = learned(noise=0.2, seed=9, convex=convex)
+    t = np.array([0, 1, 3, 15, 16, 17, 100, 1000, 8191, 8192, 9000, 50000, 10**6], dtype=np.int64)
+    arr = prof(t)
+    assert [prof(int(x)) for x in t] == pytest.approx(arr.tolist(), rel=1e-12, abs=1e-15)
+    assert prof(np.int64(100)) == pytest.approx(prof(100)) and prof(100.0) == pytest.approx(prof(100))
+    one = LatencyProfile()
+    one.observe(64, 0.5)
+    assert one(32) == pytest.approx(0.25) and one(np.array([32]))[0] == pytest.approx(0.25)
+
+
+def test_convex_fit_runs_through_noisy_medians_not_under_them() -> None:
+    """Bucket medians off the true curve by up to +-15% (what a shared CPU gives): the least-squares convex fit
+    is unbiased over them (a lower convex hull would sit ~5% below, and a sum over 30 layers keeps that bias)."""
+    rng = random.Random(4)
+    prof = LatencyProfile(ProfileConfig(buckets_per_octave=4))
+    factors = {}
+    for _ in range(2000):
+        t = int(2 ** rng.uniform(5, 12))
+        b = prof._bucket(t)
+        f = factors.setdefault(b, 1 + rng.uniform(-0.15, 0.15))  # a bucket's own systematic offset
+        prof.observe(t, true_F(t) * f)
+    t, y = prof.knots()
+    meds = np.array([np.median([o[1] for o in prof._buckets[prof._bucket(int(x))]]) for x in t])
+    rel = y / meds - 1
+    assert abs(rel.mean()) < 0.03, rel
+    assert np.all(np.diff(y) >= 0)
+    f = prof(np.arange(16, 4096, 16))
+    assert np.all(np.diff(f, 2) >= -1e-12 * f.max())  # still convex for the fast planner
+
+
+def test_call_overhead_is_the_fits_intercept_and_compute_scale_learns() -> None:
+    prof = learned(noise=0.0, seed=2)
+    assert prof.call_overhead == pytest.approx(2e-4, rel=0.2)  # true_F's overhead term
+    assert 0.0 <= prof.call_overhead <= prof(16)
+    assert prof.compute_scale == 1.0
+    prof.observe_compute(1.1, 1.0)
+    assert prof.compute_scale == pytest.approx(1.1)
+    prof.observe_compute(100.0, 1.0)  # clamped: one wild run does not wreck the plans
+    assert prof.compute_scale <= 2.0
+    assert LatencyProfile.from_json(prof.to_json()).compute_scale == pytest.approx(prof.compute_scale)
+
+
+def test_executor_replay_time_shares_the_call_overhead_in_a_batch() -> None:
+    from kvtide.restore.costs import ExecutorReplayTime
+
+    prof = learned(noise=0.0, seed=2)
+    c = prof.call_overhead
+    one = ExecutorReplayTime(prof, c, 1)
+    four = ExecutorReplayTime(prof, c, 4, scale=1.2)
+    t = np.array([0, 1, 32, 512, 4096])
+    assert np.allclose(one(t), prof(t))
+    want = np.where(t > 0, 1.2 * (prof(t) - 0.75 * c), 0.0)
+    assert np.allclose(four(t), want) and four(512) == pytest.approx(want[3]) and four(0) == 0.0
+    # four requests recomputing 512 tokens in one layer call: one overhead, not four
+    assert 4 * four(512) / 1.2 == pytest.approx(4 * prof(512) - 3 * c)
+    f = four(np.arange(0, 8192, 32))
+    assert np.all(np.diff(f) >= 0) and np.all(np.diff(f[1:], 2) >= -1e-12 * f.max())
+    p = plan([RestoreRequest(2048)] * 4, BlockCost(8, 4096.0, 0.0, four), 1e9, 64)
+    assert p.method == "fast"
+    for bad in ({"batch": 0}, {"scale": 0.0}, {"call_overhead": -1.0}):
+        with pytest.raises(ValueError):
+            ExecutorReplayTime(prof, **{"call_overhead": c, **bad})

@@ -9,6 +9,8 @@ import torch
 
 from kvtide.store.base import (
     HEADER_BYTES,
+    PAYLOAD_ALIGN,
+    RECORD_VERSION,
     ChunkCorrupt,
     ChunkTruncated,
     TokenMismatch,
@@ -61,7 +63,7 @@ def test_extra_bytes_bad_magic_and_future_version() -> None:
     with pytest.raises(ChunkCorrupt):
         decode_record(b"XXXX" + blob()[4:], KEY, 2, TOKENS)
     b = bytearray(blob())
-    struct.pack_into("<H", b, 4, 2)
+    struct.pack_into("<H", b, 4, 99)
     with pytest.raises(ChunkCorrupt, match="version"):
         decode_record(bytes(b), KEY, 2, TOKENS)
 
@@ -83,3 +85,65 @@ def test_encode_validates_shape() -> None:
         encode_record(KEY, 0, TOKENS, torch.zeros(3, 16, 1, 4))
     with pytest.raises(ValueError):
         encode_record(KEY, 0, TOKENS, torch.zeros(2, 16, 1, 4, dtype=torch.float64))
+
+
+def _v1_record(kv: torch.Tensor, layer: int = 2) -> bytes:
+    """A record as version 1 wrote it (blake2b-128 checksum, no padding)."""
+    import hashlib
+    import json
+
+    from kvtide.store.keys import token_bytes
+
+    meta = json.dumps({"key": KEY.hex, "layer": layer, "dtype": "bfloat16", "shape": list(kv.shape),
+                       "num_tokens": 16, "byteorder": "little"}, separators=(",", ":")).encode()
+    body = token_bytes(TOKENS) + kv.contiguous().view(torch.uint8).numpy().tobytes()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(meta)
+    h.update(body)
+    return struct.pack("<4sHHIQ16s", b"KVTR", 1, 0, len(meta), len(body), h.digest()) + meta + body
+
+
+def test_version_1_records_still_read_and_checked() -> None:
+    kv = torch.randn(2, 16, 1, 8).bfloat16()
+    old = _v1_record(kv)
+    assert torch.equal(decode_record(old, KEY, 2, TOKENS).view(torch.int16), kv.view(torch.int16))
+    b = bytearray(old)
+    b[-1] ^= 1
+    with pytest.raises(ChunkCorrupt, match="checksum"):
+        decode_record(bytes(b), KEY, 2, TOKENS)
+
+
+def test_written_records_are_crc_and_payload_aligned() -> None:
+    import zlib
+
+    kv = torch.randn(2, 16, 3, 64).bfloat16()
+    rec = encode_record(KEY, 2, TOKENS, kv)
+    _, version, _, meta_len, body_len, digest = struct.unpack_from("<4sHHIQ16s", rec)
+    assert version == RECORD_VERSION == 2
+    assert digest[4:] == bytes(12)
+    assert int.from_bytes(digest[:4], "little") == zlib.crc32(rec[HEADER_BYTES:]) & 0xFFFFFFFF
+    assert (HEADER_BYTES + meta_len + 4 * 16) % PAYLOAD_ALIGN == 0  # padded meta: aligned payload
+
+
+@pytest.mark.parametrize("where", ["meta", "tokens", "payload"])
+def test_crc_catches_a_flip_anywhere(where: str) -> None:
+    rec = bytearray(blob())
+    meta_len = struct.unpack_from("<I", rec, 8)[0]
+    pos = {"meta": HEADER_BYTES + 3, "tokens": HEADER_BYTES + meta_len + 5, "payload": len(rec) - 9}[where]
+    rec[pos] ^= 0x01
+    with pytest.raises(ChunkCorrupt):  # checksum first: a flipped token id is damage, not a mismatch
+        decode_record(bytes(rec), KEY, 2, TOKENS)
+
+
+def test_zero_copy_decode_is_a_view_of_the_record() -> None:
+    kv = torch.randn(2, 16, 3, 64).bfloat16()
+    rec = encode_record(KEY, 1, TOKENS, kv)
+    view = decode_record(rec, KEY, 1, TOKENS, copy=False)
+    assert torch.equal(view.view(torch.int16), kv.view(torch.int16))
+    start = view.untyped_storage().data_ptr()
+    import ctypes
+
+    base = ctypes.cast(ctypes.c_char_p(rec), ctypes.c_void_p).value
+    assert base <= start < base + len(rec)  # no copy was made
+    owned = decode_record(rec, KEY, 1, TOKENS)
+    assert owned.untyped_storage().data_ptr() != start

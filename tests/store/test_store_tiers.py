@@ -187,3 +187,39 @@ def test_redis_ttl_and_mget(redis_server) -> None:
     with pytest.raises(ValueError):
         RedisStore(port=redis_server.port, ttl_seconds=0)
     s.client.flushdb()
+
+
+def test_fetch_then_open_in_one_round_trip(tier) -> None:
+    """Bulk load path: raw bytes of many entries at once, then verify each (zero-copy or not), all counted."""
+    s, poke, read = tier
+    for c in range(3):
+        for layer in range(L):
+            s.put(KEYS[c], layer, toks(c), kv(10 * c + layer))
+    bad = bytearray(read(KEYS[1].entry_name(2)))
+    bad[-5] ^= 0x08
+    poke(KEYS[1].entry_name(2), bytes(bad))
+    items = [(KEYS[c], 2) for c in range(4)]  # chunk 3 was never written
+    f = s.fetch(items)
+    assert len(f.blobs) == 4 and isinstance(f.blobs[3], ChunkMissing)
+    assert f.nbytes == sum(len(b) for b in f.blobs[:3])
+    assert f.wait() == 0.0  # no link in front: the bytes are here
+    got = s.open(f.blobs[0], KEYS[0], 2, toks(0), copy=False)
+    assert torch.equal(got.tensor, kv(2)) and got.nbytes == len(f.blobs[0])
+    with pytest.raises(ChunkCorrupt):
+        s.open(f.blobs[1], KEYS[1], 2, toks(1))
+    with pytest.raises(TokenMismatch):
+        s.open(f.blobs[2], KEYS[2], 2, toks(1))
+    st = s.stats.snapshot()
+    assert (st["hits"], st["misses"], st["corrupt"], st["token_mismatch"]) == (1, 1, 1, 1)
+
+
+def test_fetch_from_a_dead_redis_is_unavailable_per_entry(fresh_redis_server) -> None:
+    from kvtide.store.redis_store import RedisStore
+
+    s = RedisStore(port=fresh_redis_server.port, socket_timeout=0.5)
+    s.put(KEYS[0], 0, toks(0), kv(0))
+    fresh_redis_server.proc.kill()
+    fresh_redis_server.proc.wait()
+    f = s.fetch([(KEYS[0], 0), (KEYS[1], 0)])
+    assert all(isinstance(b, StoreUnavailable) for b in f.blobs) and f.nbytes == 0
+    assert s.stats.unavailable == 2

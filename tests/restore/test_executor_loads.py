@@ -1,0 +1,196 @@
+"""The executor's load path: batched fetches, read-ahead, parallel verify, one-by-one stores, link overlap.
+
+Every variant must place exactly the bytes a prefill writes (bf16 KV, load-only staircase), and the bulk path must
+keep the emulated link busy while the CPU verifies: load time ~ link time, not link time + verify time.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtide.engine.restore_port import EnginePort
+from kvtide.engine.sequence import Sequence
+from kvtide.restore.executor import LoadConfig, RestoreExecutor, RestoreJob
+from kvtide.store import BandwidthLimitedStore, TokenBucket
+from kvtide.store.keys import chunk_keys
+from tests.restore.restore_helpers import CHUNK, EntryByEntry, fresh_store, greedy, restore_llm, text_ids
+from tests.restore.test_executor import _prefill, _prefix_kv
+
+N = 96
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_compute_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def stored():
+    """A bf16 engine whose store holds a 96-token prefix, the prefill's KV of it, and its keys."""
+    llm = restore_llm(kv_dtype="bfloat16")
+    eng, r = llm.engine, llm.engine.restorer
+    store = fresh_store(llm)
+    ids = text_ids(llm, 6000, N + 12)
+    with torch.inference_mode():
+        base = _prefill(eng, ids[:N])
+        want = _prefix_kv(eng, base, N)
+        r.on_finish(type("S", (), {"num_computed_tokens": N, "pages": base.pages, "token_ids": ids[:N]})())
+        r.writer.flush()
+        eng.block_manager.release(base)
+    return llm, store, ids, want, chunk_keys(ids[:N], r.keyspace)
+
+
+def _run(llm, store, ids, keys, js, load: LoadConfig | None = None):
+    eng = llm.engine
+    seq = Sequence(f"t{time.perf_counter_ns()}", None, list(ids), greedy(1))
+    assert eng.block_manager.allocate(seq, len(ids))
+    with torch.inference_mode():
+        res = RestoreExecutor(EnginePort(eng.runner, [seq]), store, CHUNK, load).run(
+            [RestoreJob(ids, 0, N, len(ids), keys, js)])
+    got = _prefix_kv(eng, seq, N)
+    eng.block_manager.release(seq)
+    return res, got
+
+
+@pytest.mark.parametrize("load", [
+    LoadConfig(),
+    LoadConfig(batch_bytes=1, read_ahead=0),  # one entry a batch, no read-ahead
+    LoadConfig(batch_bytes=30_000, read_ahead=2, workers=2),  # several batches a layer, parallel verify
+])
+def test_bulk_loads_place_the_prefill_bytes(stored, load: LoadConfig) -> None:
+    llm, store, ids, want, keys = stored
+    L = llm.engine.model.args.num_layers
+    res, got = _run(llm, store, ids, keys, [0] * L, load)
+    assert res.failures == [] and res.loaded_entries == L * N // CHUNK and res.loaded_tokens == L * N
+    per_batch = max(1, load.batch_bytes // (2 * CHUNK * 3 * 64 * 2 + 4 * CHUNK + 256))
+    assert res.load_batches == L * -(-(N // CHUNK) // per_batch)
+    assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
+
+
+def test_store_without_fetch_loads_entry_by_entry(stored) -> None:
+    llm, store, ids, want, keys = stored
+    L = llm.engine.model.args.num_layers
+    res, got = _run(llm, EntryByEntry(store), ids, keys, [0] * L)
+    assert res.failures == [] and res.loaded_entries == L * N // CHUNK
+    assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
+
+
+class SlowOpen:
+    """Verification that costs ``delay`` seconds an entry (a slow CPU): the link should not wait for it."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def open(self, *a, **kw):  # noqa: ANN002, ANN003
+        time.sleep(self.delay)
+        return self.inner.open(*a, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_link_moves_the_next_batch_while_this_one_is_verified(stored) -> None:
+    llm, store, ids, want, keys = stored
+    L = llm.engine.model.args.num_layers
+    entry = len(store._read(keys[0].entry_name(0)))
+    rate = entry / 0.004  # 4 ms of link per entry, 12 ms per layer batch
+    link = SlowOpen(BandwidthLimitedStore(store, TokenBucket(rate)), 0.003)  # 9 ms of verify per batch
+    res, got = _run(llm, link, ids, keys, [0] * L, LoadConfig(read_ahead=1))
+    link_s = res.load_bytes / rate
+    assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
+    # serial would be link + verify = 1.75x link; overlapped is link + one batch of verify
+    assert res.load_seconds < 1.25 * link_s, (res.load_seconds, link_s)
+    assert res.load_seconds >= 0.95 * link_s
+
+
+class SlowStaircase:
+    """A port whose prefix replay (rows from position 0) is ``delay`` slower a layer: compute slower than planned."""
+
+    def __init__(self, port, delay: float) -> None:
+        self.port, self.delay = port, delay
+
+    def run_layer(self, layer, h, segments):  # noqa: ANN001
+        if segments and segments[0].start == 0:
+            time.sleep(self.delay)
+        return self.port.run_layer(layer, h, segments)
+
+    def __getattr__(self, name: str):
+        return getattr(self.port, name)
+
+
+def _steal_run(llm, store, ids, keys, js, steal: bool, delay: float = 0.02):
+    eng = llm.engine
+    seq = Sequence(f"s{time.perf_counter_ns()}", None, list(ids), greedy(1))
+    assert eng.block_manager.allocate(seq, len(ids))
+    with torch.inference_mode():
+        res = RestoreExecutor(SlowStaircase(EnginePort(eng.runner, [seq]), delay), store, CHUNK,
+                              LoadConfig(steal=steal)).run([RestoreJob(ids, 0, N, len(ids), keys, js)])
+    got = _prefix_kv(eng, seq, N)
+    eng.block_manager.release(seq)
+    return res, got
+
+
+def test_idle_link_steals_recompute_and_the_result_is_unchanged(stored) -> None:
+    llm, store, ids, want, keys = stored
+    L = llm.engine.model.args.num_layers
+    js = [N] * L  # a plan that trusted compute entirely; compute then runs 20 ms a layer slower
+    slow, _ = _steal_run(llm, store, ids, keys, js, steal=False)
+    res, got = _steal_run(llm, store, ids, keys, js, steal=True)
+    assert slow.stolen_tokens == 0 and res.stolen_tokens > 0 and res.failures == []
+    b = res.boundaries[0]
+    assert all(x >= y for x, y in zip(b, b[1:])) and all(x % CHUNK == 0 for x in b) and b[0] == N  # a staircase
+    assert res.loaded_tokens == res.stolen_tokens == sum(N - x for x in b)
+    assert res.recomputed_tokens == sum(b)
+    assert res.total_seconds < 0.8 * slow.total_seconds  # the link took work the slow compute would have done
+    for layer, (g, w) in enumerate(zip(got, want)):
+        j = b[layer] // 16  # pages: the stolen part is the prefill's exact bytes, the rest recomputed
+        assert torch.equal(g[j:].view(torch.int16), w[j:].view(torch.int16))
+        assert torch.allclose(g[:j].float(), w[:j].float(), atol=0.05, rtol=0.02)
+    assert torch.allclose(res.logits, slow.logits, atol=0.05, rtol=0.02)
+    assert res.logits.argmax(-1).tolist() == slow.logits.argmax(-1).tolist()
+
+
+def test_a_failed_stolen_load_falls_back(stored) -> None:
+    from tests.restore.restore_helpers import FailAfter
+
+    llm, store, ids, want, keys = stored
+    L = llm.engine.model.args.num_layers
+    ref, _ = _steal_run(llm, store, ids, keys, [N] * L, steal=False, delay=0.0)
+    res, _ = _steal_run(llm, FailAfter(store, ok=0), ids, keys, [N] * L, steal=True)
+    assert res.failures and res.fallback_requests == [0]
+    assert res.fallback_tokens == len(ids) - res.failures[0].position  # from the stolen chunk's first token on
+    assert torch.allclose(res.logits, ref.logits, atol=0.05, rtol=0.02)
+    assert res.logits.argmax(-1).tolist() == ref.logits.argmax(-1).tolist()
+
+
+def test_cacheflow_plans_compute_heavy_with_stealing_and_predicts_the_unbiased_optimum() -> None:
+    from types import SimpleNamespace
+
+    from kvtide.restore.methods import make_plan
+    from kvtide.restore.costs import RestoreRequest
+
+    llm = restore_llm()
+    r = llm.engine.restorer
+    for n in (64, 128, 256, 512):
+        r.profile.observe(n, 1e-3 + 8e-5 * n, blocks=1)
+    r.profile.observe_load(2e6, 1.0)  # a link where the trade-off is real
+    picked = [(SimpleNamespace(num_tokens=520), 0, 512, []), (SimpleNamespace(num_tokens=300), 0, 288, [])]
+    reqs = [RestoreRequest(512, 8), RestoreRequest(288, 12)]
+    plain = make_plan("cacheflow", reqs, r.cost(2), r.bandwidth(), r.chunk)
+    old = (r.cfg.hedge, r.cfg.steal, r.cfg.method)
+    try:
+        r.cfg.method = "cacheflow"
+        r.cfg.hedge, r.cfg.steal = 0.2, True
+        p = r.plan_for(picked)
+        assert p.predicted_seconds == pytest.approx(plain.predicted_seconds)
+        assert sum(map(sum, p.boundaries)) > sum(map(sum, plain.boundaries))  # more recompute planned
+        assert all(x >= y for js in p.boundaries for x, y in zip(js, js[1:]))
+        r.cfg.steal = False  # nothing would take the surplus back: plan unbiased
+        assert r.plan_for(picked).boundaries == plain.boundaries
+    finally:
+        r.cfg.hedge, r.cfg.steal, r.cfg.method = old
