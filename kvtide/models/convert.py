@@ -159,16 +159,18 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
 
 class _progress:
-    """A rich progress bar, or a silent stand-in."""
+    """A rich progress bar on stderr (stdout carries the CLI's generated text), or a silent stand-in."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
 
     def __enter__(self):
         if self.enabled:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=Console(stderr=True))
             return self._bar.__enter__()
         return self
 
