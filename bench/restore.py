@@ -42,27 +42,14 @@ from kvtide.engine.llm import LLM  # noqa: E402
 from kvtide.restore.methods import LABELS  # noqa: E402
 from kvtide.store.bandwidth import BandwidthLimitedStore  # noqa: E402
 from kvtide.store.memory import MemoryStore  # noqa: E402
-from restore_trace import block_content, build_workload, load_trace, prefixes_to_preload, replay  # noqa: E402
+from restore_trace import (block_content, build_workload, load_trace, prefixes_to_preload, replay,  # noqa: E402
+                           text_tokens)
 
 ORDER = ["cacheflow", "recompute", "load", "cake", "layerwise"]
 
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def text_tokens(llm: LLM, n: int) -> list[int]:
-    """Real text (Python's own pydoc topics) where there is a tokenizer; random ids for random-weight models."""
-    try:
-        from pydoc_data.topics import topics
-
-        ids = llm.tokenizer.encode(" ".join(topics[k] for k in sorted(topics)))
-        if len(ids) >= n:
-            return ids[:n]
-    except Exception:  # noqa: BLE001 - NullTokenizer (random weights) has no encode
-        pass
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, llm.engine.model.args.vocab_size, (n,), generator=g).tolist()
 
 
 class Bench:
@@ -77,7 +64,8 @@ class Bench:
         self.eng = self.llm.engine
         self.r = self.eng.restorer
         self.inner = self.r.store
-        self.text = text_tokens(self.llm, 200_000 if a.device == "cpu" else 400_000)
+        self.text = text_tokens(self.llm.tokenizer, self.llm.engine.model.args.vocab_size,
+                                 200_000 if a.device == "cpu" else 400_000)
 
     # ---- plumbing -----------------------------------------------------------------------------------------
     def set_link(self, g: float | None) -> None:

@@ -40,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from restore_trace import block_content, build_workload, load_trace, prefixes_to_preload  # noqa: E402
+from restore_trace import (block_content, build_workload, load_trace, prefixes_to_preload,  # noqa: E402
+                           text_tokens)
 
 from kvtide.parallel.pipeline import PipelineConfig, PipelineEngine, launch  # noqa: E402
 from kvtide.restore.devicewise import shard_ranges  # noqa: E402
@@ -69,23 +70,9 @@ def _use(eng: PipelineEngine, key: str) -> None:
     eng.use_tier(eng._bench_tiers[key])  # type: ignore[attr-defined]
 
 
-def _text(eng: PipelineEngine, n: int) -> list[int]:
-    """Real text (Python's pydoc topics) with a tokenizer; random ids for random-weight models."""
-    try:
-        from pydoc_data.topics import topics
-
-        ids = eng.tokenizer.encode(" ".join(topics[k] for k in sorted(topics)))
-        if len(ids) >= n:
-            return ids[:n]
-    except Exception:  # noqa: BLE001 - NullTokenizer (random weights) has no encode
-        pass
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, eng.args.vocab_size, (n,), generator=g).tolist()
-
-
 def driver(eng: PipelineEngine, a: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 of one layout: warm the profile, fill the store, replay the trace once per method."""
-    text = _text(eng, 200_000)
+    text = text_tokens(eng.tokenizer, eng.args.vocab_size, 200_000)
     content = block_content(text[:150_000], a["block_tokens"], eng.args.vocab_size)
     reqs = build_workload(load_trace(), a["trace_start"], a["requests"], a["block_tokens"], a["max_input"], 1,
                           a["min_reuse_blocks"], content)

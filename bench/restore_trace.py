@@ -126,3 +126,19 @@ def replay(engine, reqs: list[TraceRequest], stretch: float, params_for, on_firs
         elif pending:
             time.sleep(min(0.05, max(0.0, pending[0][1].arrival * stretch - now)))
     return ttft
+
+
+def text_tokens(tokenizer, vocab_size: int, n: int) -> list[int]:
+    """Real text (Python's own pydoc topics) where there is a tokenizer; random ids for random-weight models."""
+    try:
+        from pydoc_data.topics import topics
+
+        ids = tokenizer.encode(" ".join(topics[k] for k in sorted(topics)))
+        if len(ids) >= n:
+            return ids[:n]
+    except Exception:  # noqa: BLE001 - NullTokenizer (random weights) has no encode
+        pass
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (n,), generator=g).tolist()

@@ -287,22 +287,8 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
                 l_i = l_i * alpha
                 acc = acc * alpha[None, :]
                 m_i = m_new
-            pt = tl.exp2(st - m_i[None, :])
-            l_i = l_i + tl.sum(pt, axis=0)
-            if ZIP:
-                if LATE_V:  # V's loads after K's scores: fewer live registers, more warps per SM
-                    va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, r, D, BLOCK, NB, MODE)
-                    v, vz = _zip_build(va, vb, vc, dv_c, r, D, PS, BLOCK, NB, VERSION, MODE)
-                    if F32_DOT:
-                        v = v.to(tl.float32)
-                        vz = vz.to(tl.float32)
-            pbt = pt.to(tl.bfloat16)
-            if F32_DOT:
-                pbt = pbt.to(tl.float32)
-            acc = tl.dot(tl.trans(v), pbt, acc)
-            if ZIP:
-                if MODE == 1:
-                    acc = tl.dot(tl.trans(vz), pbt, acc)
+            pb = tl.exp2(st - m_i[None, :])  # P^T [TILE, GP]
+            l_i = l_i + tl.sum(pb, axis=0)
         else:
             s = tl.dot(q, tl.trans(k))
             if ZIP:
@@ -318,18 +304,24 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
                 l_i = l_i * alpha
                 acc = acc * alpha[:, None]
                 m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
+            pb = tl.exp2(s - m_i[:, None])  # P [GP, TILE]
+            l_i = l_i + tl.sum(pb, axis=1)
+        if ZIP:
+            if LATE_V:  # V's loads after K's scores: fewer live registers, more warps per SM
+                va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, r, D, BLOCK, NB, MODE)
+                v, vz = _zip_build(va, vb, vc, dv_c, r, D, PS, BLOCK, NB, VERSION, MODE)
+                if F32_DOT:
+                    v = v.to(tl.float32)
+                    vz = vz.to(tl.float32)
+        pb = pb.to(tl.bfloat16)
+        if F32_DOT:
+            pb = pb.to(tl.float32)
+        if TRANS:
+            acc = tl.dot(tl.trans(v), pb, acc)
             if ZIP:
-                if LATE_V:
-                    va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, r, D, BLOCK, NB, MODE)
-                    v, vz = _zip_build(va, vb, vc, dv_c, r, D, PS, BLOCK, NB, VERSION, MODE)
-                    if F32_DOT:
-                        v = v.to(tl.float32)
-                        vz = vz.to(tl.float32)
-            pb = p.to(tl.bfloat16)
-            if F32_DOT:
-                pb = pb.to(tl.float32)
+                if MODE == 1:
+                    acc = tl.dot(tl.trans(vz), pb, acc)
+        else:
             acc = tl.dot(pb, v, acc)
             if ZIP:
                 if MODE == 1:
