@@ -36,17 +36,21 @@ from kvtide.kernels import zip_attention_ref as zr  # noqa: E402
 from kvtide.kernels import zip_encode as ze  # noqa: E402
 
 HQ, HKV, D, PS, BLOCK = 32, 8, 128, 16, 512
-# (tile tokens, warps, stages, waves for the split heuristic[, zip mode, prefetch, trans, late_v, maxnreg]); the best
-# per shape is timed again against FlashInfer
+# (tile tokens, warps, stages, waves for the split heuristic[, zip mode, prefetch, trans, late_v, maxnreg, pipe]);
+# the best per shape is timed again against FlashInfer
 CONFIGS = {
     "raw": [(32, 4, 1, 4), (64, 4, 1, 4), (64, 4, 2, 4), (128, 8, 1, 4), (32, 4, 1, 2), (32, 4, 1, 4, 0, 1, 1),
             (64, 4, 2, 4, 0, 1, 1)],
     # the zip kernel walks one page per step (tile = page); see zip_attention._zip_load for the modes
     "zip": [(16, 1, 1, 4, 1, 0, 0, 0, 0),  # q heads as M (the first version of this kernel)
-            (16, 1, 1, 4, 1, 0, 1, 0, 0), (16, 1, 1, 4, 1, 0, 1, 1, 0), (16, 1, 1, 8, 1, 0, 1, 1, 128),
-            (16, 1, 1, 16, 1, 0, 1, 1, 128), (16, 1, 1, 8, 1, 0, 1, 1, 96), (16, 1, 1, 8, 1, 0, 1, 0, 128),
-            (16, 1, 1, 8, 2, 0, 1, 1, 128), (16, 1, 1, 8, 0, 0, 1, 1, 128), (16, 2, 1, 8, 1, 0, 1, 1, 0),
-            (16, 1, 1, 8, 1, 1, 1, 0, 128)],
+            (16, 1, 1, 8, 1, 0, 1, 1, 128), (16, 1, 1, 8, 1, 0, 1, 0, 128),  # the best of the last sweep
+            (16, 1, 1, 8, 2, 0, 1, 1, 128), (16, 2, 1, 8, 1, 0, 1, 1, 0),
+            # pipe: loads staged through shared memory by Triton's software pipeliner (num_stages >= 2)
+            (16, 1, 3, 8, 1, 0, 1, 0, 0, 1), (16, 1, 2, 8, 1, 0, 1, 0, 0, 1), (16, 1, 4, 8, 1, 0, 1, 0, 0, 1),
+            (16, 1, 3, 8, 1, 0, 1, 0, 168, 1), (16, 1, 3, 4, 1, 0, 1, 0, 0, 1), (16, 1, 3, 16, 1, 0, 1, 0, 0, 1),
+            (16, 2, 3, 8, 1, 0, 1, 0, 0, 1), (16, 2, 3, 4, 1, 0, 1, 0, 0, 1), (16, 1, 3, 8, 2, 0, 1, 0, 0, 1),
+            (16, 1, 3, 8, 0, 0, 1, 0, 0, 1), (16, 1, 3, 8, 1, 0, 1, 1, 0, 1), (32, 2, 3, 8, 1, 0, 1, 0, 0, 1),
+            (16, 1, 3, 8, 1, 0, 0, 0, 0, 1)],
 }
 
 
@@ -123,11 +127,16 @@ def encode_nhd(kv: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def make_plan(kind: str, cfg, indptr, indices, last, version: int, dev) -> za.DecodePlan:
-    defaults = (16, 1, 1, 4.0, 0, True, False, False, 0)  # maxnreg 0: no register cap
-    tile, warps, stages, waves, mode, pf, tr, lv, mr = (*cfg, *defaults[len(cfg):])
-    return za.plan(indptr, indices, last, HQ, HKV, D, PS, version=version, tile=tile, num_warps=warps,
-                   num_stages=stages, waves=waves, device=dev, mode=mode, prefetch=bool(pf), trans=bool(tr),
-                   late_v=bool(lv), maxnreg=mr, kernel=kind)
+    return za.plan(indptr, indices, last, HQ, HKV, D, PS, version=version, device=dev, kernel=kind,
+                   **config_options(cfg))
+
+
+def config_options(cfg) -> dict:
+    """A CONFIGS tuple as ``za.plan`` keyword arguments (maxnreg 0: no register cap)."""
+    defaults = (16, 1, 1, 4.0, 0, False, False, False, 0, False)
+    tile, warps, stages, waves, mode, pf, tr, lv, mr, pipe = (*cfg, *defaults[len(cfg):])
+    return dict(tile=tile, num_warps=warps, num_stages=stages, waves=waves, mode=mode, prefetch=bool(pf),
+                trans=bool(tr), late_v=bool(lv), maxnreg=mr, pipe=bool(pipe))
 
 
 def bench(fn, rep: int) -> float:
@@ -225,7 +234,7 @@ def main() -> None:
                 else:
                     fn = lambda p=p: za.run_raw(p, q, kv)  # noqa: E731
                 best[kind] = fn
-                row[kind] = dict(top, tuned=tuned)
+                row[kind] = dict(top, options=config_options(top["config"]), tuned=tuned)
             buf = torch.empty_like(kv)
             page_ids = indices
 

@@ -153,6 +153,45 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
     }
 
 
+def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | None, sync) -> dict:
+    """torch.profiler over `steps` whole-batch decode steps (after the timed runs): where a step's time goes
+    on the host (self CPU time per op) and on the device (CUDA time per kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    warm(eng, prompts, proxy, sync)
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    inner = eng.runner.attention if proxy is None else proxy.inner
+    done = 0
+    while eng.has_unfinished() and done == 0:  # until a step decodes the whole batch
+        s = eng.scheduler
+        prefill = bool(s.waiting) or any(q.num_computed_tokens < q.num_prompt_tokens for q in s.running)
+        eng.runner.attention = proxy if (proxy is not None and prefill) else inner
+        eng.step()
+        done = int(eng.stats.last_step[0] == 0 and eng.stats.last_step[1] == len(prompts))
+    eng.runner.attention = inner
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync()
+    wall = time.perf_counter() - t0
+    drain(eng, None, sync, -1)
+    ev = prof.key_averages()
+
+    def top(key: str, n: int = 20) -> list[dict]:
+        rows = sorted(ev, key=lambda e: getattr(e, key, 0) or 0, reverse=True)[:n]
+        return [{"name": e.key[:80], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                 "device_ms": (getattr(e, "self_device_time_total", 0) or 0) / 1e3} for e in rows]
+
+    ranges = {e.key: e.cpu_time_total / 1e3 / steps for e in ev if e.key.startswith("kvtide.")}
+    return {"batch": len(prompts), "steps": steps, "wall_ms_per_step_profiled": wall / steps * 1e3,
+            "host_ms_per_step_by_phase": ranges,
+            "top_self_cpu": top("self_cpu_time_total"), "top_device": top("self_device_time_total")}
+
+
 def compression_seen(eng: LLMEngine) -> dict:
     """Blocks stored compressed (desc != 0xFF) among the compressed pages held, K and V, and byte ratios."""
     from kvtide.cache.zip_pages import COMPRESSED
@@ -222,6 +261,14 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
               f"{r.get('tokens_per_s', float('nan')):9.0f} tok/s  preemptions {r.get('preemptions')}", flush=True)
     out["largest_batch"] = largest
     out["runs"] = runs
+    if a.profile_steps:
+        pb = min(want)
+        out["profile"] = profile_decode(eng, [prompt(i, a.context, vocab) for i in range(pb)], a.profile_steps, proxy,
+                                        sync)
+        print(f"  {label:>12} profile (batch {pb}): {out['profile']['wall_ms_per_step_profiled']:.1f} ms/step; phases "
+              f"{ {k: round(v, 2) for k, v in out['profile']['host_ms_per_step_by_phase'].items()} }; top "
+              f"host ops: {[(r['name'], round(r['self_cpu_ms'] / a.profile_steps, 2)) for r in out['profile']['top_self_cpu'][:6]]}",
+              flush=True)
     out["kv_stats_end"] = {k: v for k, v in eng.kv_stats().items() if isinstance(v, (int, float, bool))}
     if compress:
         out["compression_end"] = compression_seen(eng)
@@ -235,6 +282,19 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
 def tokens_per_s(res: dict, b: int) -> float | None:
     r = res.get("runs", {}).get(str(b), {})
     return r.get("tokens_per_s")
+
+
+def load_zip_options(spec: str | None, context: int) -> dict:
+    """--zip-options: inline JSON, or a bench/zip_attention.py result whose tuned best to replay."""
+    if not spec:
+        return {}
+    if spec.lstrip().startswith("{"):
+        return json.loads(spec)
+    rows = [r for r in json.loads(Path(spec).read_text())["results"] if "options" in r.get("zip", {})]
+    if not rows:
+        sys.exit(f"{spec}: no tuned zip options in this result file")
+    pick = [r for r in rows if r["context"] == context and r["batch"] == 64] or rows[-1:]
+    return pick[0]["zip"]["options"]
 
 
 def main() -> None:
@@ -256,6 +316,11 @@ def main() -> None:
     ap.add_argument("--baseline", default="flashinfer", help="uncompressed backend (and decompress-then-attend's inner)")
     ap.add_argument("--step-tokens", type=int, default=16384, help="SchedulerConfig.max_num_batched_tokens")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timed runs, profile this many decode steps at each backend's smallest batch")
+    ap.add_argument("--zip-options", default=None,
+                    help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
+                         "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
@@ -277,7 +342,11 @@ def main() -> None:
     batches = sorted({int(b) for b in a.batches.split(",")})
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
-    res: dict = {"env": env(), "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
+    zip_options = load_zip_options(a.zip_options, a.context)
+    if zip_options:
+        from kvtide.kernels import zip_attention as za
+        za.set_defaults("zip", **zip_options)
+    res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention", "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,
                            "kv_cache_bytes": budget, "kv_cache_gib": budget / 2**30,

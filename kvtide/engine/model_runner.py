@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from ..cache.zip_pages import ZipPagedKV
 from ..models.llama import CausalLM
@@ -64,21 +65,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Sequence, int]], generators: list[torch.Generator | None]) -> list[int]:
         """Run one step. Returns one sampled token per sequence whose chunk reaches its last token, in order."""
-        layout, ids, positions = self.layout(batch)
-        sampling = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
-        starts = layout.q_starts
-        rows = torch.tensor([starts[i] + batch[i][1] - 1 for i in sampling], dtype=torch.long, device=self.device)
-        self.attention.plan(layout)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.attention,
-            logit_rows=rows,
-        )
+        # named ranges: a profile (bench/zip_engine.py --profile-steps) shows where a step's host time goes
+        with record_function("kvtide.layout"):
+            layout, ids, positions = self.layout(batch)
+            sampling = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
+            starts = layout.q_starts
+            rows = torch.tensor([starts[i] + batch[i][1] - 1 for i in sampling], dtype=torch.long, device=self.device)
+        with record_function("kvtide.attention_plan"):
+            self.attention.plan(layout)
+        with record_function("kvtide.model"):
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.attention,
+                logit_rows=rows,
+            )
         if self.store is not None:  # the step's attention reads are done: compress the pages it filled
             p = self.page_size
-            self.store.compress([pid for seq, n in batch
-                                 for pid in seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
+            with record_function("kvtide.compress"):
+                self.store.compress([pid for seq, n in batch
+                                     for pid in seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
         if not sampling:
             return []
         return sample(logits, [batch[i][0].params for i in sampling], [generators[i] for i in sampling])

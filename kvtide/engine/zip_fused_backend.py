@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.profiler import record_function
 
 from ..cache.zip_pages import ZipPagedKV
 from .attention import AttentionBackend, BatchLayout
@@ -101,9 +102,11 @@ class ZipFusedAttention(AttentionBackend):
         return out.to(q.dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.store.write(layer, k, v, self.slot_mapping)
+        with record_function("kvtide.zip_write"):
+            self.store.write(layer, k, v, self.slot_mapping)
         if not self.mixed:
-            return self._decode(layer, q)
+            with record_function("kvtide.zip_decode"):
+                return self._decode(layer, q)
         out = torch.empty_like(q)
         if self.kplan is not None:
             out[self.dec_rows] = self._decode(layer, q[self.dec_rows])

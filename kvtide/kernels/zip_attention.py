@@ -121,9 +121,9 @@ def _zip_load(pool32, start_w, dw, valid, r, D: tl.constexpr, BLOCK: tl.constexp
     return a, b, c
 
 
-def _zip_build(a, b, c, dw, r, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+def _zip_build(a, b, c, dw, r, D: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                VERSION: tl.constexpr, MODE: tl.constexpr):
-    """BF16 [PS, D] tile(s) from :func:`_zip_load`'s loads, rebuilt in registers (no copy in memory).
+    """BF16 [ROWS, D] tile(s) from :func:`_zip_load`'s loads, rebuilt in registers (no copy in memory).
 
     Returns (tile, second): MODE 0 and 2 give one tile (second is unused); MODE 1 gives the raw rows and the
     rebuilt compressed rows as two tiles, each +0 where the other holds the row (two tensor-core dots)."""
@@ -174,7 +174,7 @@ def _zip_build(a, b, c, dw, r, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.cons
     wq = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [PS, D/8, 2, 2]: word k at [.., k // 2, k % 2]
     lo16 = wq.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     hi16 = (wq >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    kz = tl.reshape(tl.join(lo16, hi16), (PS, D))
+    kz = tl.reshape(tl.join(lo16, hi16), (ROWS, D))
     if MODE == 2:
         kz = (kz.to(tl.int16, bitcast=True) | a.to(tl.int16, bitcast=True)).to(tl.bfloat16, bitcast=True)
     if MODE == 1:
@@ -195,7 +195,7 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
                    H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    TILE: tl.constexpr, BLOCK: tl.constexpr, ZIP: tl.constexpr, VERSION: tl.constexpr,
                    SPLIT: tl.constexpr, F32_DOT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
-                   TRANS: tl.constexpr, LATE_V: tl.constexpr):
+                   TRANS: tl.constexpr, LATE_V: tl.constexpr, PIPE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -218,7 +218,11 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
         acc = tl.zeros([D, GP], tl.float32)
     else:
         acc = tl.zeros([GP, D], tl.float32)
-    if ZIP:  # one page per step; metadata two pages ahead, data one page ahead (PREFETCH), scalars per page
+    if ZIP and PIPE:  # TILE // PS pages per step, metadata per row; Triton's pipeliner stages the loads
+        r = tl.arange(0, TILE)
+        step: tl.constexpr = TILE
+        NB: tl.constexpr = PS * D // BLOCK
+    elif ZIP:  # one page per step; metadata two pages ahead, data one page ahead (PREFETCH), scalars per page
         r = tl.arange(0, PS)
         NB: tl.constexpr = PS * D // BLOCK
         last_pg = (tok_hi - 1) // PS
@@ -240,7 +244,21 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
     for t0 in range(tok_lo, tok_hi, step):
         pos = t0 + r
         valid = pos < tok_hi
-        if ZIP:
+        if ZIP and PIPE:  # loads issued num_stages - 1 steps ahead by the compiler (asynchronous copies)
+            if TILE == PS:  # one page: scalar metadata (far less address math than per row)
+                pg = tl.load(indices_ptr + first + t0 // PS)
+                rp = r
+            else:
+                pg = tl.load(indices_ptr + first + pos // PS, mask=valid, other=0)
+                rp = pos % PS
+            sk, dk = _zip_meta(gstart_ptr, gdesc_ptr, pg, h, 0, H_KV, NB)
+            sv_c, dv_c = _zip_meta(gstart_ptr, gdesc_ptr, pg, h, 1, H_KV, NB)
+            ka, kb, kc = _zip_load(pool32, sk, dk, valid, rp, D, BLOCK, NB, MODE)
+            k, kz = _zip_build(ka, kb, kc, dk, rp, D, TILE, BLOCK, NB, VERSION, MODE)
+            if not LATE_V:
+                va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, rp, D, BLOCK, NB, MODE)
+                v, vz = _zip_build(va, vb, vc, dv_c, rp, D, TILE, BLOCK, NB, VERSION, MODE)
+        elif ZIP:
             if PREFETCH:  # issue the next page's loads, then rebuild this page from the loads issued last step
                 valid_n = pos + PS < tok_hi
                 ka_n, kb_n, kc_n = _zip_load(pool32, sk_n, dk_n, valid_n, r, D, BLOCK, NB, MODE)
@@ -308,8 +326,9 @@ def _decode_kernel(q_ptr, out_ptr, opart_ptr, lse_ptr, indptr_ptr, indices_ptr, 
             l_i = l_i + tl.sum(pb, axis=1)
         if ZIP:
             if LATE_V:  # V's loads after K's scores: fewer live registers, more warps per SM
-                va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, r, D, BLOCK, NB, MODE)
-                v, vz = _zip_build(va, vb, vc, dv_c, r, D, PS, BLOCK, NB, VERSION, MODE)
+                rv = pos % PS if PIPE and TILE != PS else r
+                va, vb, vc = _zip_load(pool32, sv_c, dv_c, valid, rv, D, BLOCK, NB, MODE)
+                v, vz = _zip_build(va, vb, vc, dv_c, rv, D, TILE if PIPE else PS, BLOCK, NB, VERSION, MODE)
                 if F32_DOT:
                     v = v.to(tl.float32)
                     vz = vz.to(tl.float32)
@@ -398,6 +417,8 @@ class DecodePlan:
     prefetch: bool = False  # issue the next page's loads before this page's rebuild (zip kernel)
     trans: bool = True  # tokens as the MMA's M dimension (S^T = K Q^T), a small accumulator
     late_v: bool = False  # without prefetch: load V after K's scores (fewer live registers)
+    pipe: bool = False  # zip kernel: metadata per row, TILE // page_size pages per step, loads staged by the
+    # compiler's software pipeliner (num_stages >= 2: asynchronous copies into shared memory)
     maxnreg: int | None = None  # register cap per thread (more warps per SM, maybe spills)
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D] split outputs
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S] (base 2)
@@ -435,21 +456,34 @@ def _num_sms(device_index: int) -> int:
 
 # launch defaults per kernel, the best of the H200 sweep in bench/zip_attention.py (tile 16 = one page for zip)
 _DEFAULTS = {
-    "zip": dict(num_warps=1, waves=8.0, trans=True, maxnreg=128),
-    "raw": dict(num_warps=4, waves=4.0, trans=False, maxnreg=None),
+    "zip": dict(num_warps=1, num_stages=1, waves=8.0, tile=16, mode=1, prefetch=False, trans=True, late_v=False,
+                maxnreg=128, pipe=False),
+    "raw": dict(num_warps=4, num_stages=1, waves=4.0, tile=64, mode=1, prefetch=False, trans=False, late_v=False,
+                maxnreg=None, pipe=False),
 }
+
+
+def set_defaults(kernel: str, **options) -> None:
+    """Change the launch defaults ``plan`` uses for ``kernel`` (benchmarks replay a tuned configuration
+    through code that plans with defaults, such as the engine's backend)."""
+    unknown = set(options) - set(_DEFAULTS[kernel])
+    if unknown:
+        raise ValueError(f"unknown launch options {sorted(unknown)}; known: {sorted(_DEFAULTS[kernel])}")
+    _DEFAULTS[kernel].update(options)
 
 
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
          num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
          sm_scale: float | None = None, num_splits: int | None = None, tile: int | None = None,
-         num_warps: int | None = None, num_stages: int = 1, device: torch.device | str | None = None,
-         waves: float | None = None, mode: int = 1, prefetch: bool = False, trans: bool | None = None,
-         late_v: bool = False, maxnreg: int | None = None, kernel: str = "zip") -> DecodePlan:
+         num_warps: int | None = None, num_stages: int | None = None, device: torch.device | str | None = None,
+         waves: float | None = None, mode: int | None = None, prefetch: bool | None = None,
+         trans: bool | None = None, late_v: bool | None = None, maxnreg: int | None = None,
+         pipe: bool | None = None, kernel: str = "zip") -> DecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``kernel`` ("zip" or "raw") picks the launch defaults measured best on the H200 for that kernel
-    (bench/results/zip_attention_h200.json); every one can be set explicitly.
+    (bench/results/zip_attention_h200.json); every one left ``None`` takes its default, ``maxnreg=0`` means
+    no register cap.
 
     ``num_splits=None`` splits long contexts so that B * Hkv * splits fills ``waves`` waves of the SMs.
     """
@@ -463,16 +497,22 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         raise ValueError("a group must hold 1, 2, 4 or 8 blocks")
     if version not in (1, 2):
         raise ValueError(f"unknown ZipFusion format version {version}")
-    if mode not in (0, 1, 2):
-        raise ValueError(f"zip kernel mode must be 0, 1 or 2, got {mode}")
     if kernel not in _DEFAULTS:
         raise ValueError(f"kernel must be one of {sorted(_DEFAULTS)}, got {kernel!r}")
     dflt = _DEFAULTS[kernel]
-    num_warps = dflt["num_warps"] if num_warps is None else num_warps
-    waves = dflt["waves"] if waves is None else waves
-    trans = dflt["trans"] if trans is None else trans
-    if maxnreg is None and kernel == "zip":
-        maxnreg = dflt["maxnreg"]
+
+    def pick(value, name):
+        return dflt[name] if value is None else value
+
+    num_warps, num_stages, waves = pick(num_warps, "num_warps"), pick(num_stages, "num_stages"), pick(waves, "waves")
+    mode, prefetch, trans = pick(mode, "mode"), pick(prefetch, "prefetch"), pick(trans, "trans")
+    late_v, maxnreg, pipe = pick(late_v, "late_v"), pick(maxnreg, "maxnreg") or None, pick(pipe, "pipe")
+    if mode not in (0, 1, 2):
+        raise ValueError(f"zip kernel mode must be 0, 1 or 2, got {mode}")
+    if pipe and prefetch:
+        raise ValueError("pipe and prefetch are two ways of issuing loads early: pick one")
+    if num_warps < 1 or num_stages < 1:
+        raise ValueError(f"num_warps and num_stages must be >= 1, got {num_warps}, {num_stages}")
     dev = torch.device(device) if device is not None else kv_indices.device
     indptr_h = kv_indptr.to("cpu", torch.int64)
     last_h = kv_last_page_len.to("cpu", torch.int64)
@@ -483,8 +523,10 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     batch = int(npages.numel())
     max_pages = int(npages.max())
     if tile is None:
-        tile = 64 if head_dim <= 128 else 32
+        tile = dflt["tile"] if head_dim <= 128 else min(dflt["tile"], 32)
     tile = max(tile, page_size)
+    if tile & (tile - 1) or tile % page_size:
+        raise ValueError(f"tile must be a power of two and a multiple of page_size {page_size}, got {tile}")
     ppt = tile // page_size  # pages per tile
     if num_splits is None:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 8
@@ -499,7 +541,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         head_dim=head_dim, page_size=page_size, block_size=block_size, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, tile=tile, num_warps=num_warps, num_stages=num_stages,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, mode=mode, prefetch=prefetch, trans=trans,
-        late_v=late_v, maxnreg=maxnreg,
+        late_v=late_v, maxnreg=maxnreg, pipe=pipe,
     )
     if num_splits > 1:
         p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
@@ -529,7 +571,7 @@ def _launch(p: DecodePlan, q: torch.Tensor, out: torch.Tensor | None, zip_: bool
         PS=p.page_size,
         TILE=p.tile, BLOCK=p.block_size, ZIP=zip_, VERSION=p.version, SPLIT=split,
         F32_DOT=_interpret(), MODE=p.mode, PREFETCH=p.prefetch, TRANS=p.trans,
-        LATE_V=zip_ and p.late_v and not p.prefetch, num_warps=p.num_warps, num_stages=p.num_stages,
+        LATE_V=zip_ and p.late_v and not p.prefetch, PIPE=zip_ and p.pipe, num_warps=p.num_warps, num_stages=p.num_stages,
         **({"maxnreg": p.maxnreg} if p.maxnreg and not _interpret() else {}),
     )
     if split:
@@ -585,4 +627,4 @@ def decompress_pages(pool: torch.Tensor, group_start: torch.Tensor, group_desc: 
     return out
 
 
-__all__ = ["DecodePlan", "plan", "run_zip", "run_raw", "decompress_pages", "check_tables"]
+__all__ = ["DecodePlan", "plan", "set_defaults", "run_zip", "run_raw", "decompress_pages", "check_tables"]

@@ -88,17 +88,22 @@ def test_zip_and_raw_match_float64(lens, hkv, group, d, version, splits, tile, r
     assert rel_err(zip_out, out.double()) < 5e-3
 
 
-@pytest.mark.parametrize("mode,prefetch,trans,late_v", [
-    (0, False, False, False), (1, True, False, False), (1, False, False, True), (2, True, False, False),
-    (0, True, True, False), (1, False, True, True), (2, False, True, True), (1, False, True, False)])
-def test_kernel_variants_match_float64(mode: int, prefetch: bool, trans: bool, late_v: bool) -> None:
+@pytest.mark.parametrize("mode,prefetch,trans,late_v,pipe,tile", [
+    (0, False, False, False, False, 64), (1, True, False, False, False, 64), (1, False, False, True, False, 64),
+    (2, True, False, False, False, 64), (0, True, True, False, False, 64), (1, False, True, True, False, 64),
+    (2, False, True, True, False, 64), (1, False, True, False, False, 64),
+    # pipe: metadata per row, tile // 16 pages per step (a step may straddle the end of a split)
+    (1, False, True, False, True, 16), (1, False, True, True, True, 32), (0, False, True, False, True, 32),
+    (2, False, False, False, True, 64)])
+def test_kernel_variants_match_float64(mode: int, prefetch: bool, trans: bool, late_v: bool, pipe: bool,
+                                       tile: int) -> None:
     """Every load/rebuild variant of the zip kernel (the benchmark tunes over them) is correct, v1 and v2."""
     for version in (1, 2):
         kv, q, indptr, indices, last = make_batch([45, 70], 2, 4, 128, seed=11 + mode, realistic=True)
         pool, gstart, gdesc = zr.encode_pages(kv, 512, version, slack=1)
         ref = zr.decode_attention_f64(q, kv, indptr, indices, last)
         p = za.plan(indptr, indices, last, 8, 2, 128, PS, version=version, num_splits=2, mode=mode, prefetch=prefetch,
-                    trans=trans, late_v=late_v)
+                    trans=trans, late_v=late_v, pipe=pipe, tile=tile)
         out = za.run_zip(p, q, pool, gstart, gdesc, out=torch.full_like(q, float("nan")))
         assert not bool(out.isnan().any())
         assert rel_err(out, ref) < 1e-2
@@ -112,9 +117,10 @@ def test_lazy_rescale_when_scores_grow() -> None:
     kv[pages, 0] = (kv[pages, 0].float() * 0.05 + ramp * q[0, 0].float().sign().view(1, 1, 1, -1)).bfloat16()
     pool, gstart, gdesc = zr.encode_pages(kv)
     ref = zr.decode_attention_f64(q, kv, indptr, indices, last)
-    for run in ("zip", "raw"):
-        p = za.plan(indptr, indices, last, 4, 1, 64, PS, num_splits=1, tile=16)
-        out = za.run_zip(p, q, pool, gstart, gdesc) if run == "zip" else za.run_raw(p, q, kv)
+    for run in ("zip", "zip-pipe", "raw"):
+        p = za.plan(indptr, indices, last, 4, 1, 64, PS, num_splits=1, tile=32 if run == "zip-pipe" else 16,
+                    pipe=run == "zip-pipe")
+        out = za.run_raw(p, q, kv) if run == "raw" else za.run_zip(p, q, pool, gstart, gdesc)
         assert rel_err(out, ref) < 1e-2, run
 
 
@@ -146,6 +152,10 @@ def test_plan_refuses_bad_shapes() -> None:
         za.plan(ip, ix, torch.tensor([0]), 4, 1, 64)  # empty last page
     with pytest.raises(ValueError):
         za.plan(ip, ix, last, 4, 1, 96)  # head_dim not a power of two
+    with pytest.raises(ValueError, match="pick one"):
+        za.plan(ip, ix, last, 4, 1, 64, pipe=True, prefetch=True)
+    with pytest.raises(ValueError, match="tile"):
+        za.plan(ip, ix, last, 4, 1, 64, tile=48)
     p = za.plan(ip, ix, last, 4, 1, 64)
     kv = torch.zeros(1, 2, 16, 1, 64, dtype=torch.bfloat16)
     pool, gstart, gdesc = zr.encode_pages(kv)
