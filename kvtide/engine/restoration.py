@@ -154,7 +154,7 @@ class Restorer:
         if len(batch) == 1:
             seq, n = batch[0]
             if seq.num_computed_tokens == 0 and n > 1 and seconds > 0:
-                self.profile.observe(n, seconds, blocks=self.num_layers)
+                self.profile.observe(n, seconds, blocks=self.num_layers, source="prefill")
                 self.profile.knots()  # refit now, off the next plan's clock
 
     def on_finish(self, seq: Sequence) -> None:

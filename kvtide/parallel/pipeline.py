@@ -392,7 +392,7 @@ class PipelineEngine:
         h = self.model.hidden_states(None, pos, self.attn, layers=self.layers, h=h)  # type: ignore[arg-type]
         if observe:
             self._sync()
-            self.profile.observe(n, time.perf_counter() - t, blocks=len(self.layers))
+            self.profile.observe(n, time.perf_counter() - t, blocks=len(self.layers), source="prefill")
         tokens: list[int] | None = None
         if self.link.last:
             ends = torch.tensor(np.cumsum([e - a for _, a, e in segs]) - 1, device=self.device)

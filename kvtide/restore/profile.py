@@ -21,8 +21,11 @@ Besides F and the bandwidth, what the staircase objective needs to predict a res
 layer call takes beyond F(N + Ns) - F(N) (a call's fixed cost cancels out of that difference; before any
 observation the prior is F(1), a one-token call); ``fixed_overhead``, seconds of a restoration outside both
 paths; ``compute_scale``, measured over modelled staircase time; and ``call_overhead``, F's intercept (the part
-of a layer call that a batch pays once). The first three are EWMAs of what the executor measured, with the
-bandwidth's weight.
+of a layer call that a batch pays once). The first three are lower medians of the executor's last
+``overhead_window`` measurements, not running averages: the first restoration of a process pays one-off costs
+(kernel selection, allocator growth; 10x a warm suffix call on the H200), and an average that starts there kept the
+suffix estimate 7x high for many restorations, so plans loaded far more than they should (measured: CacheFlow
+slower than recompute-only). Outliers of this kind are always slow, hence the lower median.
 """
 
 from __future__ import annotations
@@ -50,14 +53,38 @@ class ProfileConfig:
     window: int = 32  # newest observations kept per bucket; the median is over these
     convex: bool = True
     bandwidth_alpha: float = 0.2  # EWMA weight of the newest load-bandwidth observation
+    overhead_window: int = 9  # executor measurements kept for the suffix/fixed overheads and the compute scale
 
     def __post_init__(self) -> None:
         if not isinstance(self.buckets_per_octave, int) or self.buckets_per_octave < 1:
             raise ValueError(f"buckets_per_octave must be an int >= 1, got {self.buckets_per_octave!r}")
         if not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        if not isinstance(self.overhead_window, int) or self.overhead_window < 1:
+            raise ValueError(f"overhead_window must be an int >= 1, got {self.overhead_window!r}")
         if not 0.0 < self.bandwidth_alpha <= 1.0:
             raise ValueError(f"bandwidth_alpha must be in (0, 1], got {self.bandwidth_alpha!r}")
+
+
+class _Recent:
+    """The lower median of the last ``n`` values (None before any): robust to one-off slow runs."""
+
+    def __init__(self, n: int, values: Any = None) -> None:
+        self.values: deque[float] = deque(maxlen=n)
+        if isinstance(values, (int, float)):  # profiles saved before the window kept a single average
+            values = [values]
+        for v in values or []:
+            self.values.append(float(v))
+
+    def add(self, x: float) -> None:
+        self.values.append(float(x))
+
+    @property
+    def value(self) -> float | None:
+        if not self.values:
+            return None
+        v = sorted(self.values)
+        return v[(len(v) - 1) // 2]
 
 
 def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -159,12 +186,13 @@ class LatencyProfile:
     def __init__(self, config: ProfileConfig | None = None, fallback: Callable[[Any], Any] | None = None) -> None:
         self.config = config or ProfileConfig()
         self.fallback = fallback or AnalyticReplayTime()
-        self._buckets: dict[int, deque[tuple[int, float]]] = {}
+        self._buckets: dict[int, deque[tuple[int, float, int]]] = {}  # (tokens, s per block, from a prefill)
         self._bandwidth: float | None = None
         self._load_observations = 0
-        self._suffix_overhead: float | None = None
-        self._fixed_overhead: float | None = None
-        self._compute_scale: float | None = None
+        n = self.config.overhead_window
+        self._suffix = _Recent(n)
+        self._fixed = _Recent(n)
+        self._scale = _Recent(n)
         self._lock = threading.Lock()
         self._knots: tuple[tuple[np.ndarray, np.ndarray], tuple] | None = None
 
@@ -173,8 +201,15 @@ class LatencyProfile:
     def _bucket(self, tokens: int) -> int:
         return int(math.floor(math.log2(tokens) * self.config.buckets_per_octave + 0.5))
 
-    def observe(self, tokens: int, seconds: float, blocks: int = 1) -> None:
-        """Record a replay of ``tokens`` tokens through ``blocks`` blocks that took ``seconds``."""
+    def observe(self, tokens: int, seconds: float, blocks: int = 1, source: str = "layer") -> None:
+        """Record a replay of ``tokens`` tokens through ``blocks`` blocks that took ``seconds``.
+
+        ``source``: "layer" for a layer call timed alone (the executor's replay, what F predicts), "prefill" for a
+        whole-model step divided by its blocks (the engine's prefills). A bucket that holds layer calls uses only
+        them: on the H200 a prefill step / 32 came out 20-40% above the same tokens' layer call (embedding, head,
+        Python per step), and mixing the two bent F where they met."""
+        if source not in ("layer", "prefill"):
+            raise ValueError(f"source must be 'layer' or 'prefill', got {source!r}")
         tokens = int(tokens)
         seconds = float(seconds)
         if tokens <= 0 or blocks <= 0 or not math.isfinite(seconds) or seconds < 0:
@@ -185,7 +220,7 @@ class LatencyProfile:
             q = self._buckets.get(b)
             if q is None:
                 q = self._buckets[b] = deque(maxlen=self.config.window)
-            q.append((tokens, per_block))
+            q.append((tokens, per_block, int(source == "prefill")))
             self._knots = None
 
     def observe_load(self, nbytes: float, seconds: float) -> None:
@@ -199,39 +234,36 @@ class LatencyProfile:
             self._bandwidth = bw if self._bandwidth is None else a * bw + (1 - a) * self._bandwidth
             self._load_observations += 1
 
-    def _ewma(self, old: float | None, new: float) -> float:
-        a = self.config.bandwidth_alpha
-        return new if old is None else a * new + (1 - a) * old
-
     def observe_suffix(self, per_block_seconds: float, modelled_seconds: float) -> None:
         """A suffix layer call took ``per_block_seconds`` where F(N + Ns) - F(N) summed to ``modelled_seconds``."""
         x = float(per_block_seconds) - float(modelled_seconds)
         if math.isfinite(x):
             with self._lock:
-                self._suffix_overhead = self._ewma(self._suffix_overhead, max(0.0, x))
+                self._suffix.add(max(0.0, x))
 
     def observe_overhead(self, seconds: float) -> None:
         """A restoration spent ``seconds`` outside its compute and load paths."""
         x = float(seconds)
         if math.isfinite(x) and x >= 0:
             with self._lock:
-                self._fixed_overhead = self._ewma(self._fixed_overhead, x)
+                self._fixed.add(x)
 
     def observe_compute(self, seconds: float, modelled_seconds: float) -> None:
         """A staircase took ``seconds`` where the cost model (F summed over its layers) said ``modelled_seconds``.
 
         F is a per-bucket median of single layer calls; a sum over 30 layers runs at their mean, ~5-10% above the
         median on a shared CPU (a descheduled layer is slow, none is fast), and batched layer calls differ from
-        the additive model. The ratio (EWMA, clamped to [0.5, 2]) scales F in the plan's cost.
+        the additive model. The ratio (clamped to [0.5, 2], lower median of the recent ones) scales F in the
+        plan's cost.
         """
         s, m = float(seconds), float(modelled_seconds)
         if s > 0 and m > 0 and math.isfinite(s / m):
             with self._lock:
-                self._compute_scale = self._ewma(self._compute_scale, min(max(s / m, 0.5), 2.0))
+                self._scale.add(min(max(s / m, 0.5), 2.0))
 
     @property
     def compute_scale(self) -> float:
-        return self._compute_scale or 1.0
+        return self._scale.value or 1.0
 
     @property
     def call_overhead(self) -> float:
@@ -245,13 +277,13 @@ class LatencyProfile:
     @property
     def suffix_overhead(self) -> float:
         """Seconds per block a suffix call costs beyond the F difference (prior: F(1), one-token call)."""
-        if self._suffix_overhead is not None:
-            return self._suffix_overhead
+        if self._suffix.value is not None:
+            return self._suffix.value
         return float(self(1))
 
     @property
     def fixed_overhead(self) -> float:
-        return self._fixed_overhead or 0.0
+        return self._fixed.value or 0.0
 
     def reset_bandwidth(self) -> None:
         """Forget the load-bandwidth estimate (the link changed); F(t) is kept."""
@@ -288,7 +320,10 @@ class LatencyProfile:
         rows = []
         for q in self._buckets.values():
             arr = np.array(q, dtype=np.float64)
-            rows.append((float(np.median(arr[:, 0])), float(np.median(arr[:, 1])), len(q)))
+            layer = arr[arr[:, 2] == 0]
+            if len(layer):
+                arr = layer
+            rows.append((float(np.median(arr[:, 0])), float(np.median(arr[:, 1])), len(arr)))
         rows.sort()
         t = np.array([r[0] for r in rows])
         w = np.array([r[2] for r in rows], dtype=np.float64)
@@ -324,9 +359,9 @@ class LatencyProfile:
                 "observations": {str(b): [list(o) for o in q] for b, q in sorted(self._buckets.items())},
                 "bandwidth": self._bandwidth,
                 "load_observations": self._load_observations,
-                "suffix_overhead": self._suffix_overhead,
-                "fixed_overhead": self._fixed_overhead,
-                "compute_scale": self._compute_scale,
+                "suffix_overhead": list(self._suffix.values),
+                "fixed_overhead": list(self._fixed.values),
+                "compute_scale": list(self._scale.values),
             }
 
     @classmethod
@@ -335,14 +370,15 @@ class LatencyProfile:
             raise ValueError(f"unsupported profile version {d.get('version')!r} (expected {PROFILE_VERSION})")
         prof = cls(ProfileConfig(**d["config"]), fallback=fallback)
         for obs in d["observations"].values():
-            for tok, sec in obs:
-                prof.observe(int(tok), float(sec))
+            for o in obs:  # [tokens, seconds] (saved before sources were kept) or [tokens, seconds, from_prefill]
+                prof.observe(int(o[0]), float(o[1]), source="prefill" if len(o) > 2 and o[2] else "layer")
         bw = d.get("bandwidth")
         prof._bandwidth = None if bw is None else float(bw)
         prof._load_observations = int(d.get("load_observations", 0))
-        for name in ("suffix_overhead", "fixed_overhead", "compute_scale"):
-            v = d.get(name)
-            setattr(prof, "_" + name, None if v is None else float(v))
+        n = prof.config.overhead_window
+        prof._suffix = _Recent(n, d.get("suffix_overhead"))
+        prof._fixed = _Recent(n, d.get("fixed_overhead"))
+        prof._scale = _Recent(n, d.get("compute_scale"))
         return prof
 
     def to_json(self) -> str:
