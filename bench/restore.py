@@ -496,6 +496,7 @@ def _profile_state(prof) -> dict:
     return {"knots_tokens": [float(x) for x in t], "knots_seconds_per_layer": [float(x) for x in y],
             "F_at": {str(n): float(prof(n)) for n in (512, 2048, 8192, 16384, 32768)},
             "call_overhead_s": prof.call_overhead, "suffix_overhead_s": prof.suffix_overhead,
+            "suffix_scale": prof.suffix_scale,
             "fixed_overhead_s": prof.fixed_overhead, "compute_scale": prof.compute_scale,
             "bandwidth_bytes_per_s": prof.bandwidth, "observations": prof.num_observations}
 

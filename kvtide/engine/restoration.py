@@ -249,7 +249,8 @@ class Restorer:
     def cost(self, batch: int = 1) -> BlockCost:
         p = self.profile
         return BlockCost(self.num_layers, self.bytes_per_token, 0.0, replay_time=self.replay_time(batch),
-                         suffix_overhead=p.suffix_overhead, fixed_seconds=p.fixed_overhead)
+                         suffix_overhead=p.suffix_overhead, fixed_seconds=p.fixed_overhead,
+                         suffix_scale=p.suffix_scale)
 
     # ---- finding restorable requests ------------------------------------------------------------------
     def _present(self, key: ChunkKey) -> bool:
@@ -334,6 +335,7 @@ class Restorer:
         rt = ExecutorReplayTime(p, p.call_overhead, len(reqs), p.compute_scale * (1.0 - self.cfg.hedge))
         hedged = make_plan(method, reqs, BlockCost(cost.num_blocks, cost.kv_bytes_per_token, 0.0, replay_time=rt,
                                                    suffix_overhead=cost.suffix_overhead,
+                                                   suffix_scale=cost.suffix_scale,
                                                    fixed_seconds=cost.fixed_seconds), bw, self.chunk)
         best.boundaries = hedged.boundaries
         best.planning_seconds += hedged.planning_seconds

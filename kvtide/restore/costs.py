@@ -112,6 +112,9 @@ class BlockCost:
       It enters like sigma: compute P + L (sum sigma + c), load Q/B + sum sigma + c (only with suffix tokens).
     * ``fixed_seconds``: time of every restoration outside both paths (thread start, logits, final sync); added
       to the predicted total, it moves no boundary.
+    * ``suffix_scale`` k: sigma_r is taken as k (F(N + Ns) - F(N)). F comes from replays from position 0; a suffix
+      call over thousands of new tokens ran at 0.37x that difference on the H200 (F's top knots came from whole
+      prefills), and with sigma 2.7x high the plan loaded everything where recomputing part was free.
     """
 
     num_blocks: int
@@ -120,6 +123,7 @@ class BlockCost:
     replay_time: ReplayTime = field(default_factory=AnalyticReplayTime)
     suffix_overhead: float = 0.0
     fixed_seconds: float = 0.0
+    suffix_scale: float = 1.0
 
     def __post_init__(self) -> None:
         n = _as_int("num_blocks", self.num_blocks)
@@ -130,6 +134,7 @@ class BlockCost:
         object.__setattr__(self, "state_bytes", _as_pos_float("state_bytes", self.state_bytes, allow_zero=True))
         for name in ("suffix_overhead", "fixed_seconds"):
             object.__setattr__(self, name, _as_pos_float(name, getattr(self, name), allow_zero=True))
+        object.__setattr__(self, "suffix_scale", _as_pos_float("suffix_scale", self.suffix_scale))
         if not callable(self.replay_time):
             raise TypeError("replay_time must be callable F(tokens) -> seconds")
         f0 = float(self.replay_time(0))
@@ -294,5 +299,5 @@ def evaluate_staircase(
     vals = replay_times(cost.replay_time, np.concatenate([J.ravel(), N, N + Ns]))
     n = J.size
     FJ = vals[:n].reshape(J.shape)
-    sigma = vals[n + N.size :] - vals[n : n + N.size]
+    sigma = (vals[n + N.size :] - vals[n : n + N.size]) * cost.suffix_scale
     return price_staircase(N, J, FJ, sigma, cost, bandwidth, bool((Ns > 0).any()))

@@ -160,7 +160,7 @@ def plan(
     f_grid, fN, fNs = vals[: kmax + 1], vals[kmax + 1:kmax + 1 + N.size], vals[kmax + 1 + N.size:]
     if np.any(fNs < fN):
         raise ValueError("replay_time must be nondecreasing (F(N + Ns) < F(N))")
-    sigma = fNs - fN
+    sigma = (fNs - fN) * cost.suffix_scale
     has_suffix = bool((Ns > 0).any())
     sig = float(sigma.sum()) + suffix_call(cost, has_suffix)
     A0 = float(L * (s * N + R * (N > 0)).sum())

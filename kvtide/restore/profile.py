@@ -20,8 +20,9 @@ Besides F and the bandwidth, what the staircase objective needs to predict a res
 (``kvtide.restore.costs.BlockCost``, ``ExecutorReplayTime``): ``suffix_overhead``, seconds per block a suffix
 layer call takes beyond F(N + Ns) - F(N) (a call's fixed cost cancels out of that difference; before any
 observation the prior is F(1), a one-token call); ``fixed_overhead``, seconds of a restoration outside both
-paths; ``compute_scale``, measured over modelled staircase time; and ``call_overhead``, F's intercept (the part
-of a layer call that a batch pays once). The first three are lower medians of the executor's last
+paths; ``suffix_scale``, the slope of measured suffix calls over F(N + Ns) - F(N) (robust, from calls of different
+lengths); ``compute_scale``, measured over modelled staircase time; and ``call_overhead``, F's intercept (the part
+of a layer call that a batch pays once). The overheads and the compute scale are lower medians of the executor's last
 ``overhead_window`` measurements, not running averages: the first restoration of a process pays one-off costs
 (kernel selection, allocator growth; 10x a warm suffix call on the H200), and an average that starts there kept the
 suffix estimate 7x high for many restorations, so plans loaded far more than they should (measured: CacheFlow
@@ -190,7 +191,7 @@ class LatencyProfile:
         self._bandwidth: float | None = None
         self._load_observations = 0
         n = self.config.overhead_window
-        self._suffix = _Recent(n)
+        self._suffix_pairs: deque[tuple[float, float]] = deque(maxlen=2 * n)  # (modelled, measured) per block
         self._fixed = _Recent(n)
         self._scale = _Recent(n)
         self._lock = threading.Lock()
@@ -236,10 +237,10 @@ class LatencyProfile:
 
     def observe_suffix(self, per_block_seconds: float, modelled_seconds: float) -> None:
         """A suffix layer call took ``per_block_seconds`` where F(N + Ns) - F(N) summed to ``modelled_seconds``."""
-        x = float(per_block_seconds) - float(modelled_seconds)
-        if math.isfinite(x):
+        m, x = float(modelled_seconds), float(per_block_seconds)
+        if math.isfinite(m) and math.isfinite(x) and m >= 0 and x >= 0:
             with self._lock:
-                self._suffix.add(max(0.0, x))
+                self._suffix_pairs.append((m, x))
 
     def observe_overhead(self, seconds: float) -> None:
         """A restoration spent ``seconds`` outside its compute and load paths."""
@@ -275,11 +276,28 @@ class LatencyProfile:
         return min(max(0.0, yl[0] - slope0 * tl[0]), yl[0])
 
     @property
+    def suffix_scale(self) -> float:
+        """Measured suffix call time over F(N + Ns) - F(N), as a slope: the Theil-Sen median of the pairwise slopes
+        between recent suffix calls whose modelled times differ by 2x or more (robust to a cold run), clamped to
+        [0.25, 4]; 1 until three such pairs exist (short suffixes alone say nothing about it)."""
+        with self._lock:
+            obs = list(self._suffix_pairs)
+        slopes = sorted((xi - xj) / (mi - mj) for mi, xi in obs for mj, xj in obs if mi > 0 and mi >= 2 * mj)
+        if len(slopes) < 3:
+            return 1.0
+        return min(max(slopes[(len(slopes) - 1) // 2], 0.25), 4.0)
+
+    @property
     def suffix_overhead(self) -> float:
-        """Seconds per block a suffix call costs beyond the F difference (prior: F(1), one-token call)."""
-        if self._suffix.value is not None:
-            return self._suffix.value
-        return float(self(1))
+        """Seconds per block a suffix call costs beyond ``suffix_scale`` x the F difference: the lower median of the
+        recent residuals, at least 0 (prior: F(1), a one-token call)."""
+        with self._lock:
+            obs = list(self._suffix_pairs)[-self.config.overhead_window:]
+        if not obs:
+            return float(self(1))
+        k = self.suffix_scale
+        res = sorted(max(0.0, x - k * m) for m, x in obs)
+        return res[(len(res) - 1) // 2]
 
     @property
     def fixed_overhead(self) -> float:
@@ -359,7 +377,7 @@ class LatencyProfile:
                 "observations": {str(b): [list(o) for o in q] for b, q in sorted(self._buckets.items())},
                 "bandwidth": self._bandwidth,
                 "load_observations": self._load_observations,
-                "suffix_overhead": list(self._suffix.values),
+                "suffix_pairs": [list(o) for o in self._suffix_pairs],
                 "fixed_overhead": list(self._fixed.values),
                 "compute_scale": list(self._scale.values),
             }
@@ -376,7 +394,10 @@ class LatencyProfile:
         prof._bandwidth = None if bw is None else float(bw)
         prof._load_observations = int(d.get("load_observations", 0))
         n = prof.config.overhead_window
-        prof._suffix = _Recent(n, d.get("suffix_overhead"))
+        old = d.get("suffix_overhead")  # saved before pairs were kept: overheads over a zero difference
+        old = [old] if isinstance(old, (int, float)) else (old or [])
+        prof._suffix_pairs = deque([(0.0, float(v)) for v in old], maxlen=2 * n)
+        prof._suffix_pairs.extend((float(m), float(x)) for m, x in d.get("suffix_pairs", []))
         prof._fixed = _Recent(n, d.get("fixed_overhead"))
         prof._scale = _Recent(n, d.get("compute_scale"))
         return prof

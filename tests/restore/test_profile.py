@@ -236,3 +236,41 @@ def test_layer_calls_outrank_whole_prefill_observations_in_a_bucket() -> None:
     assert LatencyProfile.from_dict(old)(1024) == pytest.approx(1.0e-3)
     with pytest.raises(ValueError, match="source"):
         prof.observe(10, 1.0, source="guess")
+
+
+def test_suffix_scale_is_a_robust_slope_over_suffix_lengths() -> None:
+    """Suffix calls measured at 0.4x their F difference plus 1 ms, one cold call among them: the slope and the
+    intercept are learned (Theil-Sen), they survive a round trip, and equal-length suffixes leave the scale at 1."""
+    prof = learned(seed=6)
+    assert prof.suffix_scale == 1.0
+    for m in (0.001, 0.004, 0.016, 0.064, 0.002, 0.032):
+        prof.observe_suffix(0.001 + 0.4 * m, m)
+    prof.observe_suffix(0.5, 0.008)  # cold: 60x
+    assert prof.suffix_scale == pytest.approx(0.4, rel=0.05)
+    assert prof.suffix_overhead == pytest.approx(0.001, rel=0.1)
+    again = LatencyProfile.from_json(prof.to_json())
+    assert again.suffix_scale == pytest.approx(prof.suffix_scale) and again.suffix_overhead == pytest.approx(
+        prof.suffix_overhead)
+    same = learned(seed=6)
+    for x in (0.006, 0.005, 0.007):
+        same.observe_suffix(x, 0.004)
+    assert same.suffix_scale == 1.0 and same.suffix_overhead == pytest.approx(0.002)
+    wild = learned(seed=6)
+    for m in (0.001, 0.01, 0.1):
+        wild.observe_suffix(50 * m, m)
+    assert wild.suffix_scale == 4.0  # clamped
+
+
+def test_suffix_scale_enters_the_plan_as_a_factor_on_sigma() -> None:
+    prof = learned(noise=0.0, seed=2)
+    req = [RestoreRequest(512, 256)]
+    base = BlockCost(4, 100.0, 0.0, prof, suffix_overhead=0.001)
+    half = BlockCost(4, 100.0, 0.0, prof, suffix_overhead=0.001, suffix_scale=0.5)
+    sigma = prof(768) - prof(512)
+    p_all = [[512] * 4]  # recompute everything: compute = 4 F(512) + 4 (k sigma + c)
+    from kvtide.restore.costs import evaluate_staircase
+    a, b = evaluate_staircase(req, p_all, base, 1e6, 64), evaluate_staircase(req, p_all, half, 1e6, 64)
+    assert a.compute_seconds - b.compute_seconds == pytest.approx(4 * 0.5 * sigma, rel=1e-9)
+    assert plan(req, half, 1e6, 64).predicted_seconds <= plan(req, base, 1e6, 64).predicted_seconds
+    with pytest.raises(ValueError, match="suffix_scale"):
+        BlockCost(4, 100.0, 0.0, prof, suffix_scale=0.0)
