@@ -421,8 +421,8 @@ class DecodePlan:
     prefetch: bool = False  # issue the next page's loads before this page's rebuild (zip kernel)
     trans: bool = True  # tokens as the MMA's M dimension (S^T = K Q^T), a small accumulator
     late_v: bool = False  # without prefetch: load V after K's scores (fewer live registers)
-    pipe: bool = False  # zip kernel: metadata per row, TILE // page_size pages per step, loads staged by the
-    # compiler's software pipeliner (num_stages >= 2: asynchronous copies into shared memory)
+    pipe: bool = False  # zip kernel: metadata read in the step that uses it, TILE // page_size pages per step, loads
+    # staged by the compiler's software pipeliner (num_stages >= 2: asynchronous copies into shared memory)
     maxnreg: int | None = None  # register cap per thread (more warps per SM, maybe spills)
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D] split outputs
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S] (base 2)
@@ -470,6 +470,8 @@ _DEFAULTS = {
 def set_defaults(kernel: str, **options) -> None:
     """Change the launch defaults ``plan`` uses for ``kernel`` (benchmarks replay a tuned configuration
     through code that plans with defaults, such as the engine's backend)."""
+    if kernel not in _DEFAULTS:
+        raise ValueError(f"kernel must be one of {sorted(_DEFAULTS)}, got {kernel!r}")
     unknown = set(options) - set(_DEFAULTS[kernel])
     if unknown:
         raise ValueError(f"unknown launch options {sorted(unknown)}; known: {sorted(_DEFAULTS[kernel])}")

@@ -161,3 +161,19 @@ def test_plan_refuses_bad_shapes() -> None:
     pool, gstart, gdesc = zr.encode_pages(kv)
     with pytest.raises(ValueError):
         za.check_tables(p, pool, gstart.int(), gdesc)
+
+
+def test_set_defaults_changes_what_plan_picks_and_refuses_unknown_options() -> None:
+    ip, ix, last = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), torch.tensor([16])
+    saved = dict(za._DEFAULTS["zip"])
+    try:
+        za.set_defaults("zip", pipe=True, num_stages=3, tile=32)
+        p = za.plan(ip, ix, last, 4, 1, 64)
+        assert (p.pipe, p.num_stages, p.tile) == (True, 3, 32)
+        assert za.plan(ip, ix, last, 4, 1, 64, pipe=False).pipe is False  # an explicit argument still wins
+        with pytest.raises(ValueError, match="unknown launch options"):
+            za.set_defaults("zip", stages=3)
+        with pytest.raises(ValueError, match="kernel"):
+            za.set_defaults("fast", pipe=True)
+    finally:
+        za._DEFAULTS["zip"] = saved
