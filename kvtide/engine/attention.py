@@ -7,8 +7,10 @@ run per layer: store the layer's new K/V, attend. The torch backend works everyw
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kernels.paged_attention_ref import decode_attention_ref, prefill_attention_ref, write_kv
@@ -35,6 +37,21 @@ class BatchLayout:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.q_lens)
+
+    def page_table(self, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FlashInfer-style CPU int32 (indptr [n + 1], indices [pages used], last_page_len [n]) of sequences
+        ``rows`` (default all). Built through numpy: at batch 48 x 8K tokens torch.tensor over the Python list of
+        25K page ids took 2.6 ms per step on the CPU, this 0.6 ms."""
+        rows = range(len(self.kv_lens)) if rows is None else rows
+        p = self.page_size
+        kv = np.fromiter((self.kv_lens[i] for i in rows), dtype=np.int64)
+        used = -(-kv // p)
+        indptr = np.zeros(used.size + 1, dtype=np.int32)
+        np.cumsum(used, out=indptr[1:])
+        tables = (self.block_tables[i][:n] for i, n in zip(rows, used.tolist()))
+        indices = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(indptr[-1]))
+        last = (kv - (used - 1) * p).astype(np.int32)
+        return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last)
 
 
 class AttentionBackend:

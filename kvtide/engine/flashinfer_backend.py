@@ -28,17 +28,10 @@ class FlashInferAttention(AttentionBackend):
 
     def plan(self, layout: BatchLayout) -> None:
         p = layout.page_size
-        used = [-(-kv // p) for kv in layout.kv_lens]
-        indices = [pid for table, n in zip(layout.block_tables, used) for pid in table[:n]]
-        indptr = [0]
-        for n in used:
-            indptr.append(indptr[-1] + n)
-        last = [kv - (n - 1) * p for kv, n in zip(layout.kv_lens, used)]
         dev = self.kv_caches[0].device
         i32 = dict(dtype=torch.int32)
-        kv_indptr = torch.tensor(indptr, **i32)
-        kv_indices = torch.tensor(indices, **i32).to(dev)
-        kv_last = torch.tensor(last, **i32)
+        kv_indptr, kv_indices, kv_last = layout.page_table()
+        kv_indices = kv_indices.to(dev)
         dtype = self.kv_caches[0].dtype
         self.slot_mapping = layout.slot_mapping
         if layout.is_decode_only:

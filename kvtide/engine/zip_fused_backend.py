@@ -72,17 +72,9 @@ class ZipFusedAttention(AttentionBackend):
         self.slot_mapping = layout.slot_mapping
         self.kplan = None
         if dec:
-            used = [-(-layout.kv_lens[i] // p) for i in dec]
-            indices = [pid for i, n in zip(dec, used) for pid in layout.block_tables[i][:n]]
-            indptr = [0]
-            for n in used:
-                indptr.append(indptr[-1] + n)
-            last = [layout.kv_lens[i] - (n - 1) * p for i, n in zip(dec, used)]
-            i32 = torch.int32
             self.kplan = self.za.plan(
-                torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32), torch.tensor(last, dtype=i32),
-                self.num_heads, self.num_kv_heads, self.head_dim, p, block_size=self.store.block_size,
-                version=self.store.format_version, sm_scale=self.scale, device=dev)
+                *layout.page_table(dec), self.num_heads, self.num_kv_heads, self.head_dim, p,
+                block_size=self.store.block_size, version=self.store.format_version, sm_scale=self.scale, device=dev)
         self.counts["kernel_seqs"] += len(dec)
         self.counts["fallback_seqs"] += len(rest)
         self.counts["mixed_steps"] += bool(dec and rest)
