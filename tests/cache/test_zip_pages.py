@@ -161,3 +161,29 @@ def test_bad_geometry_and_config_fail_fast():
     with pytest.raises(ValueError, match="private"):
         ZipPagedKV(GEO, budget_bytes=2 * GEO.raw_page_bytes, chunk_bytes=GEO.raw_page_bytes, private_chunks=1)
     assert np.isfinite(CacheConfig().block_size)
+
+
+def test_write_reuses_a_slot_mapping_across_layers_and_notices_in_place_changes() -> None:
+    """The per-step index cache: one slot tensor for every layer (as the engine passes it), then the same tensor
+    edited in place for the next step: every value lands where a fresh computation puts it."""
+    store = ZipPagedKV(GEO, budget_bytes=40 * GEO.raw_page_bytes)
+    pids = [2, 4]
+    store.alloc_pages(pids)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([2 * GEO.page_size + 3, 4 * GEO.page_size + 0, 4 * GEO.page_size + 14])
+    want = {}
+    for step in range(2):
+        for layer in range(GEO.num_layers):
+            k, v = narrow((3, GEO.num_kv_heads, GEO.head_dim), gen), narrow((3, GEO.num_kv_heads, GEO.head_dim), gen)
+            store.write(layer, k, v, slots)
+            for i, s in enumerate(slots.tolist()):
+                want[(layer, s)] = (k[i], v[i])
+        slots += 1  # in place: the next step's tokens, one slot further
+    for layer in range(GEO.num_layers):
+        got = store.read_pages(layer, torch.tensor(pids))  # [n, 2, P, H, D]
+        for (lay, s), (k, v) in want.items():
+            if lay != layer:
+                continue
+            n, off = pids.index(s // GEO.page_size), s % GEO.page_size
+            assert torch.equal(got[n, 0, off].view(torch.int16), k.view(torch.int16))
+            assert torch.equal(got[n, 1, off].view(torch.int16), v.view(torch.int16))
