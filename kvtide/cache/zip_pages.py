@@ -124,7 +124,6 @@ class ZipPagedKV:
         self._starts_host = np.zeros(shape, dtype=np.int64)  # mirror, for freeing without a device sync
         self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
         self._value_idx = torch.arange(geo.group_values, device=self.device)
-        self._write_cache: tuple | None = None  # see _write_rows
         self.counters = {"pages_compressed": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
                          "k_stored_bytes": 0, "v_stored_bytes": 0, "k_raw_bytes": 0, "v_raw_bytes": 0}
 
@@ -179,20 +178,19 @@ class ZipPagedKV:
         self.state[pids] = ABSENT
 
     # ---- data path -------------------------------------------------------------------------------
-    def _write_rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page of each token, its value offsets within a group [T, 1, 1, D]), once per slot mapping: a step
-        writes every layer with the same one, and these ops cost per layer what the gather itself does. Keyed
-        by the tensor (held, so its memory is not reused) and its version (an in-place change invalidates)."""
-        c = self._write_cache
-        if c is None or c[0] is not slot_mapping or c[1] != slot_mapping._version:
-            g = self.geo
-            rel = ((slot_mapping % g.page_size) * g.head_dim)[:, None, None, None] + self._value_idx[: g.head_dim]
-            c = self._write_cache = (slot_mapping, slot_mapping._version, slot_mapping // g.page_size, rel)
-        return c[2], c[3]
+    def write_rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer-independent part of :meth:`write`'s index: (page of each token, its value offsets within a
+        group [T, 1, 1, D]). Plan it once per step and pass it to every layer's write: computed per layer, these
+        ops cost as much as the gather itself (32 layers x batch 48 on the CPU: 22.4 -> 18.1 ms per step, medians)."""
+        g = self.geo
+        rel = ((slot_mapping % g.page_size) * g.head_dim)[:, None, None, None] + self._value_idx[: g.head_dim]
+        return slot_mapping // g.page_size, rel
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store new tokens' K/V ([T, kv_heads, head_dim]) into their (raw) pages; slot = page * page_size + offset."""
-        pages, rel = self._write_rows(slot_mapping)
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Store new tokens' K/V ([T, kv_heads, head_dim]) into their (raw) pages; slot = page * page_size + offset.
+        ``rows``: :meth:`write_rows` of the same ``slot_mapping``, planned once for all layers."""
+        pages, rel = self.write_rows(slot_mapping) if rows is None else rows
         idx = (self.group_start[layer][pages] // 2)[..., None] + rel  # [T, H, 2, D]
         vals = torch.stack([k, v], dim=2).to(torch.bfloat16).view(torch.int16)  # [T, H, 2, D]
         self._pool16[idx.reshape(-1)] = vals.reshape(-1)

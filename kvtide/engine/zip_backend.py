@@ -39,12 +39,13 @@ class DecompressThenAttend(AttentionBackend):
         dev = self.store.device
         self.pages = torch.tensor(pages, dtype=torch.long, device=dev)
         self.slot_mapping = layout.slot_mapping
+        self.write_rows = self.store.write_rows(layout.slot_mapping)  # once per step, for every layer's write
         self.scratch = self._scratch(len(pages))
         self.inner.plan(BatchLayout(layout.q_lens, layout.kv_lens, tables,
                                     torch.tensor(slots, dtype=torch.long, device=dev), p))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.store.write(layer, k, v, self.slot_mapping)
+        self.store.write(layer, k, v, self.slot_mapping, self.write_rows)
         return self.attend(layer, q, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,7 @@ class ZipFusedAttention(AttentionBackend):
         rest = [i for i, n in enumerate(layout.q_lens) if n != 1]
         dev = self.store.device
         self.slot_mapping = layout.slot_mapping
+        self.write_rows = self.store.write_rows(layout.slot_mapping)  # once per step, for every layer's write
         self.kplan = None
         if dec:
             self.kplan = self.za.plan(
@@ -95,7 +96,7 @@ class ZipFusedAttention(AttentionBackend):
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with record_function("kvtide.zip_write"):
-            self.store.write(layer, k, v, self.slot_mapping)
+            self.store.write(layer, k, v, self.slot_mapping, self.write_rows)
         if not self.mixed:
             with record_function("kvtide.zip_decode"):
                 return self._decode(layer, q)
