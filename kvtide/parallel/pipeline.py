@@ -331,19 +331,20 @@ class PipelineEngine:
         plain = [r for r in range(R) if cached[r] == 0]
         rest = [r for r in range(R) if cached[r] > 0]
         records: list[ShardRecord] | None = None
-        if plain:
-            toks = self._forward([(r, 0, len(prompts[r])) for r in plain], [prompts[r] for r in plain])
-            self.stats.prefills += 1
+
+        def take(rows: list[int], toks: list[int], stamps: list[float]) -> None:
             now = time.perf_counter()
-            for r, t in zip(plain, toks):
+            for r, t in zip(rows, toks):
                 out[r].append(t)
-                first_at[r] = now
+                stamps[r] = now
+
+        if plain:
+            take(plain, self._forward([(r, 0, len(prompts[r])) for r in plain], [prompts[r] for r in plain]),
+                 first_at)
+            self.stats.prefills += 1
         if rest:
             toks, rec = self._restore(rest, prompts, cached, method, devicewise)
-            now = time.perf_counter()
-            for r, t in zip(rest, toks):
-                out[r].append(t)
-                first_at[r] = now
+            take(rest, toks, first_at)
             records = self.link.gather_obj(rec)
         last_at = list(first_at)
         while True:
@@ -351,12 +352,8 @@ class PipelineEngine:
             if not act:
                 break
             segs = [(r, len(prompts[r]) + len(out[r]) - 1, len(prompts[r]) + len(out[r])) for r in act]
-            toks = self._forward(segs, [[out[r][-1]] for r in act])
+            take(act, self._forward(segs, [[out[r][-1]] for r in act]), last_at)
             self.stats.decode_steps += 1
-            now = time.perf_counter()
-            for r, t in zip(act, toks):
-                out[r].append(t)
-                last_at[r] = now
         if save:
             self._save([prompts[r] + out[r][:-1] for r in range(R)])
         self.link.flush()

@@ -21,13 +21,6 @@ from tests.restore.test_executor import _prefill, _prefix_kv
 N = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_compute_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def stored():

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import pytest
-import torch
 
 from kvtide.store import RedisStore
 from kvtide.store.base import encode_record
@@ -17,14 +16,6 @@ try:
 except ImportError:  # run from another root
     RedisServer = need_redis = None  # type: ignore[assignment]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_compute_thread():
-    """One torch thread: on a shared 2-core machine a second OpenMP thread stalls at every barrier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _damage(store, key, layer: int, kind: str, tokens) -> None:

@@ -5,20 +5,11 @@ in the store here got there by a spill; the restored turn must equal a plain pre
 """
 from __future__ import annotations
 
-import pytest
-import torch
 
 from kvtide.engine.restoration import RestoreStats
 from kvtide.store.keys import chunk_keys
 from tests.restore.restore_helpers import fresh_store, greedy, no_restore, restore_llm, text_ids
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_compute_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _spill_llm(num_pages: int | None = None):
