@@ -180,8 +180,9 @@ class ZipPagedKV:
     # ---- data path -------------------------------------------------------------------------------
     def write_rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer-independent part of :meth:`write`'s index: (page of each token, its value offsets within a
-        group [T, 1, 1, D]). Plan it once per step and pass it to every layer's write: computed per layer, these
-        ops cost as much as the gather itself (32 layers x batch 48 on the CPU: 22.4 -> 18.1 ms per step, medians)."""
+        group [T, 1, 1, D]). Plan it once per step and pass it to every layer's write (plan/run split): a layer's write
+        then issues ~5 ops instead of ~9, which matters where each op is a kernel launch; on the CPU the copy
+        dominates (bench/host_overhead.py: 29.0 vs 29.4 ms per step, no measurable gain)."""
         g = self.geo
         rel = ((slot_mapping % g.page_size) * g.head_dim)[:, None, None, None] + self._value_idx[: g.head_dim]
         return slot_mapping // g.page_size, rel
