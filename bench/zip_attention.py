@@ -30,8 +30,10 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvtide.cache import zip_order  # noqa: E402
 from kvtide.cache import zipblocks as zb  # noqa: E402
 from kvtide.kernels import zip_attention as za  # noqa: E402
+from kvtide.kernels import zip_attention_cuda as zc  # noqa: E402
 from kvtide.kernels import zip_attention_ref as zr  # noqa: E402
 from kvtide.kernels import zip_encode as ze  # noqa: E402
 
@@ -126,6 +128,42 @@ def encode_nhd(kv: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tens
     return e.data, e.starts.view(p, HKV, 2), e.desc.view(p, HKV, 2, nb)
 
 
+def cuda_inputs(kv: torch.Tensor, version: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The CUDA kernel's inputs: the same pages in the "mma" value order, compressed (GPU encoder) and all raw."""
+    p = kv.shape[0]
+    groups = zip_order.to_stored(kv.permute(0, 3, 1, 2, 4).reshape(p, HKV, 2, PS * D), "mma", PS, D).contiguous()
+    e = ze.encode_groups(groups.view(-1, PS * D), BLOCK, version)
+    nb = PS * D // BLOCK
+    return {"cuda_zip": (e.data, e.starts.view(p, HKV, 2), e.desc.view(p, HKV, 2, nb)), "cuda_raw": zc.raw_pool(groups)}
+
+
+def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, args, dev) -> dict:
+    """Every CUDA_CONFIGS launch shape checked (f64 reference, all outputs written) and timed; the best kept."""
+    tuned = []
+    for warps, min_blocks, waves in CUDA_CONFIGS:
+        opts = dict(warps=warps, min_blocks=min_blocks, waves=waves)
+        try:
+            p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+            out = torch.full_like(q, float("nan"))
+            zc.run(p, q, pool, gstart, gdesc, out=out, check=True)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a launch shape the device refuses is recorded, not fatal
+            tuned.append(dict(options=opts, error=repr(exc)[:300]))
+            continue
+        ok = not bool(out.isnan().any())
+        err = float((out[:nref].double() - ref).norm() / ref.norm())
+        vs_fi = float((out.float() - o_fi.float()).norm() / o_fi.float().norm())
+        us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.tune_rep) if ok and err < 1e-2 \
+            else float("inf")
+        k = zc.kernels(dev.index or 0, D, args.version, warps, min_blocks)["zip_decode"]
+        tuned.append(dict(options=opts, splits=p.num_splits, us=us, all_written=ok, rel_err_f64=err,
+                          rel_diff_vs_flashinfer=vs_fi, registers=k.num_regs, local_bytes=k.local_bytes))
+    good = [t for t in tuned if t.get("us", float("inf")) < float("inf")]
+    if not good:
+        return dict(error="no launch shape passed", tuned=tuned)
+    return dict(min(good, key=lambda t: t["us"]), tuned=tuned)
+
+
 def make_plan(kind: str, cfg, indptr, indices, last, version: int, dev) -> za.DecodePlan:
     return za.plan(indptr, indices, last, HQ, HKV, D, PS, version=version, device=dev, kernel=kind,
                    **config_options(cfg))
@@ -137,6 +175,9 @@ def config_options(cfg) -> dict:
     tile, warps, stages, waves, mode, pf, tr, lv, mr, pipe = (*cfg, *defaults[len(cfg):])
     return dict(tile=tile, num_warps=warps, num_stages=stages, waves=waves, mode=mode, prefetch=bool(pf),
                 trans=bool(tr), late_v=bool(lv), maxnreg=mr, pipe=bool(pipe))
+
+# CUDA kernel (kvtide/kernels/zip_attention_cuda.py): (warps per CTA, CTAs per SM for the register cut, waves)
+CUDA_CONFIGS = [(4, 3, 1.0), (4, 3, 2.0), (4, 3, 4.0), (4, 2, 2.0), (2, 6, 2.0), (8, 1, 2.0), (4, 4, 2.0)]
 
 
 def bench(fn, rep: int) -> float:
@@ -156,6 +197,7 @@ def main() -> None:
     ap.add_argument("--v-zero-frac", type=float, default=0.03)
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--tune-rep", type=int, default=25)
+    ap.add_argument("--skip-triton", action="store_true", help="time only FlashInfer and the CUDA kernel")
     args = ap.parse_args()
     if args.capture:
         capture(args.capture, args.capture_tokens)
@@ -179,6 +221,7 @@ def main() -> None:
         else:
             kv, kv_models = synth_kv(pages, args.k_zero_frac, args.v_zero_frac, gen), None
         pool, gstart, gdesc = encode_nhd(kv, args.version)
+        cuda_in = cuda_inputs(kv, args.version)
         perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
         sizes = zb.block_sizes(gdesc.view(pages, -1), BLOCK).sum(1)  # stored bytes per page
         for b in sorted(args.batches):
@@ -202,7 +245,18 @@ def main() -> None:
                        zip_bytes=zip_bytes, bytes_ratio=zip_bytes / raw_bytes)
             row["flashinfer_rel_err"] = float((o_fi[:nref].double() - ref).norm() / ref.norm())
             best = {}
-            for kind in ("raw", "zip"):
+            for kind, (cp, cs, cd) in cuda_in.items():  # the CUDA kernel over the mma-ordered pool, and all-raw
+                row[kind] = tune_cuda(cp, cs, cd, q, indptr, indices, last, ref, o_fi, nref, args, dev)
+                if "us" in row[kind]:
+                    opts = row[kind]["options"]
+                    cplan = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+                    best[kind] = lambda p=cplan, cp=cp, cs=cs, cd=cd: zc.run(p, q, cp, cs, cd)  # noqa: E731
+            cdsc = cuda_in["cuda_zip"][2][used]
+            cuda_bytes = int(zb.block_sizes(cdsc.view(used.numel(), -1), BLOCK).sum()) + \
+                used.numel() * HKV * 2 * (8 + cdsc.shape[-1])
+            row.update(cuda_k_compressible=float((cdsc[:, :, 0] != zb.RAW).float().mean()),
+                       cuda_v_compressible=float((cdsc[:, :, 1] != zb.RAW).float().mean()), cuda_zip_bytes=cuda_bytes)
+            for kind in () if args.skip_triton else ("raw", "zip"):
                 tuned = []
                 for cfg in CONFIGS[kind]:
                     p = make_plan(kind, cfg, indptr, indices, last, args.version, dev)
@@ -258,17 +312,21 @@ def main() -> None:
             for kind in best:
                 us = row[kind]["us"]
                 row[kind]["speedup_vs_flashinfer"] = fi_us / us
-                nbytes = zip_bytes if kind == "zip" else raw_bytes
+                nbytes = {"zip": zip_bytes, "cuda_zip": cuda_bytes}.get(kind, raw_bytes)
                 row[kind]["TBps"] = nbytes / us / 1e6
             row["ceiling_speedup"] = raw_bytes / zip_bytes
+            row["cuda_ceiling_speedup"] = raw_bytes / cuda_bytes
             results.append(row)
             z, r = row.get("zip", {}), row.get("raw", {})
-            print(f"ctx {ctx:5d} B {b:3d}  FI {fi_us:7.1f}us  raw {r.get('us', 0):7.1f}  zip {z.get('us', 0):7.1f}"
+            cz, cr = row.get("cuda_zip", {}), row.get("cuda_raw", {})
+            print(f"ctx {ctx:5d} B {b:3d}  FI {fi_us:7.1f}us  cuda raw {cr.get('us', 0):7.1f}  cuda zip "
+                  f"{cz.get('us', 0):7.1f} x{cz.get('speedup_vs_flashinfer', 0):.3f} (ceil "
+                  f"x{row['cuda_ceiling_speedup']:.3f})  triton raw {r.get('us', 0):7.1f}  zip {z.get('us', 0):7.1f}"
                   f"  x{z.get('speedup_vs_flashinfer', 0):.3f} (ceil x{row['ceiling_speedup']:.3f})"
                   f"  decomp+FI {row['decompress_then_flashinfer_us']:7.1f}  K {k_frac:.3f} V {v_frac:.3f}",
                   flush=True)
             del buf
-        del kv, pool, gstart, gdesc
+        del kv, pool, gstart, gdesc, cuda_in
         torch.cuda.empty_cache()
     meta = dict(
         suite="zip_attention", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -287,11 +345,12 @@ def main() -> None:
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(meta, indent=1))
-    print("\nctx   B    FlashInfer  raw(ours)  zip(ours)  zip/FI  ceiling  decomp+FI")
+    print("\nctx   B    FlashInfer  cuda-raw  cuda-zip  cz/FI  ceiling  triton-raw  triton-zip  tz/FI  decomp+FI")
     for r in results:
-        print(f"{r['context']:5d} {r['batch']:3d}  {r['flashinfer_us']:9.1f}  {r.get('raw', {}).get('us', 0):9.1f}"
-              f"  {r.get('zip', {}).get('us', 0):9.1f}  {r.get('zip', {}).get('speedup_vs_flashinfer', 0):6.3f}"
-              f"  {r['ceiling_speedup']:7.3f}  {r['decompress_then_flashinfer_us']:9.1f}")
+        g = lambda k, f="us": r.get(k, {}).get(f, 0)  # noqa: E731
+        print(f"{r['context']:5d} {r['batch']:3d}  {r['flashinfer_us']:9.1f}  {g('cuda_raw'):8.1f}  {g('cuda_zip'):8.1f}"
+              f"  {g('cuda_zip', 'speedup_vs_flashinfer'):5.3f}  {r['cuda_ceiling_speedup']:7.3f}  {g('raw'):10.1f}"
+              f"  {g('zip'):10.1f}  {g('zip', 'speedup_vs_flashinfer'):5.3f}  {r['decompress_then_flashinfer_us']:9.1f}")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ STORAGE CONTRACT (what attention backends and kernels read; keep to it exactly)
 * ``pool``: ONE contiguous uint8 tensor per device holding every KV byte of every layer (view it as int16 or
   int32 for wide loads; its length is a multiple of 16). It is cut into chunks of ``chunk_bytes``; a chunk
   belongs to one layer at a time (see :mod:`kvtide.cache.pool`).
-* A *group* is (layer, page, kv_head, K|V): ``page_size x head_dim`` BF16 values in [token, dim] order
-  (value index = token * head_dim + dim), cut into ``blocks_per_group`` blocks of ``block_size`` values
+* A *group* is (layer, page, kv_head, K|V): ``page_size x head_dim`` BF16 values in the store's value order
+  (``geo.value_order``, :mod:`kvtide.cache.zip_order`: "token" = [token, dim], value index = token * head_dim + dim;
+  "mma" = the CUDA kernel's fragment order), cut into ``blocks_per_group`` blocks of ``block_size`` values
   (``block_size`` divides ``page_size * head_dim``; head_dim 64, page 16, block 512 -> 2 blocks of 8 tokens).
 * ``group_start[layer]``: int64 [num_page_ids, kv_heads, 2] byte offset in ``pool`` of the group's first
   block (index 0 = K, 1 = V), 16-byte aligned. ``group_desc[layer]``: uint8 [num_page_ids, kv_heads, 2,
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from . import zipblocks as zb
+from . import zip_order
 from . import zipformat as zf
 from .pool import ChunkPool, PoolGeometry
 
@@ -50,6 +52,7 @@ class ZipGeometry:
     page_size: int
     block_size: int = 512
     format_version: int = zf.FORMAT_VERSION
+    value_order: str = "token"  # value order inside a group (kvtide.cache.zip_order): "token" or "mma"
 
     def __post_init__(self) -> None:
         zf._check_version(self.format_version)
@@ -57,6 +60,7 @@ class ZipGeometry:
         if self.group_values % self.block_size:
             raise ValueError(f"CacheConfig.block_size {self.block_size} does not divide a page group of "
                              f"page_size x head_dim = {self.page_size} x {self.head_dim} = {self.group_values} values")
+        zip_order.check(self.value_order, self.page_size, self.head_dim, self.block_size)
 
     @property
     def group_values(self) -> int:
@@ -124,6 +128,9 @@ class ZipPagedKV:
         self._starts_host = np.zeros(shape, dtype=np.int64)  # mirror, for freeing without a device sync
         self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
         self._value_idx = torch.arange(geo.group_values, device=self.device)
+        self._mma = geo.value_order != "token"
+        # stored position of each natural (token * head_dim + dim) value, K and V: [2, page_size * head_dim]
+        self._stored_pos = zip_order.natural_to_stored(geo.value_order, geo.page_size, geo.head_dim, self.device)
         self.counters = {"pages_compressed": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
                          "k_stored_bytes": 0, "v_stored_bytes": 0, "k_raw_bytes": 0, "v_raw_bytes": 0}
 
@@ -180,11 +187,13 @@ class ZipPagedKV:
     # ---- data path -------------------------------------------------------------------------------
     def write_rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer-independent part of :meth:`write`'s index: (page of each token, its value offsets within a
-        group [T, 1, 1, D]). Plan it once per step and pass it to every layer's write (plan/run split): a layer's write
+        group [T, 1, 1, D], or [T, 1, 2, D] in the "mma" order, where K and V differ). Plan it once per step and pass it to every layer's write (plan/run split): a layer's write
         then issues ~5 ops instead of ~9, which matters where each op is a kernel launch; on the CPU the copy
         dominates (bench/host_overhead.py: 29.0 vs 29.4 ms per step, no measurable gain)."""
         g = self.geo
         rel = ((slot_mapping % g.page_size) * g.head_dim)[:, None, None, None] + self._value_idx[: g.head_dim]
+        if self._mma:
+            rel = self._stored_pos[:, rel[:, 0, 0]].permute(1, 0, 2)[:, None]  # [T, 1, 2, D]
         return slot_mapping // g.page_size, rel
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -204,6 +213,8 @@ class ZipPagedKV:
         desc = self.group_desc[layer][pids].reshape(-1, g.blocks_per_group)
         offsets = zb.offsets_from_starts(starts, desc, g.block_size)
         bits = zb.unpack(self.pool, desc, offsets, g.block_size)
+        if self._mma:
+            bits = zip_order.to_natural(bits.view(n, g.num_kv_heads, 2, -1), g.value_order, g.page_size, g.head_dim)
         vals = bits.view(torch.bfloat16).view(n, g.num_kv_heads, 2, g.page_size, g.head_dim).permute(0, 2, 3, 1, 4)
         if out is None:
             return vals.contiguous()

@@ -1,0 +1,316 @@
+// ZipFusion paged decode attention over compressed pages, CUDA (sm_80+). Design notes, the Python side and the
+// launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
+// Compiled at first use by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS; needs no header.
+//
+// One warp walks one split of one (sequence, KV head), one page (16 tokens) per step:
+//   S^T[16 tok x 8 heads] = K[16 x D] Q^T        mma.m16n8k16, K rebuilt straight into A fragments
+//   P^T = exp2(S^T - m) -> bf16, movmatrix.trans -> B fragments
+//   O^T[D x 8 heads]     += V^T[D x 16] P^T      mma.m16n8k16, V rebuilt straight into A fragments
+// Each lane loads, per 512-value block, its own 16 values: one 16-byte low-plane load + one 8-byte code load
+// (compressed) or two 16-byte loads (raw); the next page's loads are issued as soon as a buffer is consumed.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+#define D HEAD_DIM
+#define NB (HEAD_DIM / 32)  // 512-value blocks per group (32 dims x 16 tokens each)
+#define KS (HEAD_DIM / 16)  // k-steps of S^T = K Q^T, and m-tiles of O^T
+#define FULL 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+#if HEAD_DIM != 64 && HEAD_DIM != 128
+#error "HEAD_DIM must be 64 or 128"
+#endif
+
+__device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(w[o]), "=r"(w[o + 1]), "=r"(w[o + 2]), "=r"(w[o + 3]) : "l"(p));
+}
+
+__device__ __forceinline__ void ldg64(const u8* p, u32 (&w)[8], int o) {
+  asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p));
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 movtrans(u32 x) {
+  u32 y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u16 to_bf16(float x) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Eight values of a compressed block -> four bf16x2 words (pairs 0-1, 2-3, 4-5, 6-7), byte-parallel: code word
+// cw (nibbles n(v0) n(v2) n(v4) n(v6) n(v1) n(v3) n(v5) n(v7), n = sign << 3 | d), low words la (values 0-3,
+// stored l0 l2 l1 l3) and lb (4-7). A value's high byte is sign << 7 | (b/2 + d), four at a time:
+// he = [h0 h4 h1 h5] from the low nibbles of cw's bytes, ho = [h2 h6 h3 h7] from the high ones; one byte
+// permute per pair then puts low and high bytes in place. b4 = (b/2) * 0x01010101, z4 = (b/2 + 7) (v2 zeros).
+// About 1.5 integer ops per value. zipblocks.rebuild_words / zipblocks.unpack are the torch references.
+__device__ __forceinline__ void rebuild8(u32 cw, u32 la, u32 lb, u32 b4, u32 z4, bool esc, u32 (&w)[4]) {
+  const u32 de = cw & 0x07070707u, dod = (cw >> 4) & 0x07070707u;
+  u32 he = de + b4, ho = dod + b4;  // b/2 + d <= 127 for every stored value: no carry into the sign bit
+#if VERSION == 2
+  if (esc) {  // d = 7 codes an exact +-0 (b/2 + 7 may reach 133): clear the byte before the sign goes in
+    he -= (((de + 0x01010101u) & 0x08080808u) >> 3) * z4;
+    ho -= (((dod + 0x01010101u) & 0x08080808u) >> 3) * z4;
+  }
+#endif
+  he |= (cw << 4) & 0x80808080u;
+  ho |= cw & 0x80808080u;
+  w[0] = __byte_perm(la, he, 0x6240);
+  w[1] = __byte_perm(la, ho, 0x6341);
+  w[2] = __byte_perm(lb, he, 0x7250);
+  w[3] = __byte_perm(lb, ho, 0x7351);
+}
+
+// Fragments of the two k-steps (or m-tiles) one block gives a lane: raw words as they are, or rebuilt.
+__device__ __forceinline__ void block_frags(const u32 (&b)[8], u32 dj, u32 (&a0)[4], u32 (&a1)[4]) {
+  if (dj == 0xFFu) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a0[i] = b[i];
+      a1[i] = b[4 + i];
+    }
+  } else {
+    const u32 b4 = (dj & 0x7Fu) * 0x01010101u;
+    const u32 z4 = (dj & 0x7Fu) + 7u;
+    const bool esc = (dj & 0x80u) != 0;
+    rebuild8(b[4], b[0], b[1], b4, z4, esc, a0);
+    rebuild8(b[5], b[2], b[3], b4, z4, esc, a1);
+  }
+}
+
+// Issue the loads of one group (its NB blocks back to back from its start); they land while other work runs.
+__device__ __forceinline__ void load_group(const u8* __restrict__ pool, u32 start16, u32 desc, u32 (&buf)[NB][8],
+                                           int lane) {
+  const u8* p = pool + ((u64)start16 << 4);
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    if (((desc >> (8 * j)) & 0xFFu) == 0xFFu) {
+      ldg128(p + lane * 32, buf[j], 0);
+      ldg128(p + lane * 32 + 16, buf[j], 4);
+      p += 1024;
+    } else {
+      ldg128(p + lane * 16, buf[j], 0);
+      ldg64(p + 512 + lane * 8, buf[j], 4);
+      p += 768;
+    }
+  }
+}
+
+// Storage tables of page `pid`: group starts in 16-byte units and the descriptor words of K and V.
+__device__ __forceinline__ void load_meta(int pid, const long long* __restrict__ gstart,
+                                          const u8* __restrict__ gdesc, int hkv, int h, u32 (&m)[4]) {
+  if (pid < 0) {
+    m[0] = m[1] = 0u;
+    m[2] = m[3] = FULL;
+    return;
+  }
+  const long long gi = ((long long)pid * hkv + h) * 2;
+  m[0] = (u32)(gstart[gi] >> 4);
+  m[1] = (u32)(gstart[gi + 1] >> 4);
+#if NB == 4
+  m[2] = ((const u32*)gdesc)[gi];
+  m[3] = ((const u32*)gdesc)[gi + 1];
+#else
+  m[2] = ((const u16*)gdesc)[gi];
+  m[3] = ((const u16*)gdesc)[gi + 1];
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
+           const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
+           const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
+           float scale_log2, int pages_per_split, int num_splits, int hkv, int group) {
+  const int lane = threadIdx.x & 31;
+  const int split = blockIdx.x * NWARPS + (threadIdx.x >> 5);
+  const int h = blockIdx.y, b = blockIdx.z;
+  if (split >= num_splits) return;
+  const int kv_len = kv_lens[b];
+  const int p0 = split * pages_per_split;
+  const int n = min((kv_len + 15) / 16 - p0, pages_per_split);
+  if (n <= 0) return;  // a split past this sequence's end: the merge reads only splits that hold tokens
+  const int g = lane >> 2, t = lane & 3;
+  const int hq_total = hkv * group;
+  const long long row0 = (long long)b * hq_total + (long long)h * group;
+
+  // Q^T as the B operand: lane (g, t) holds q[head g][16 ks + 2t, +1] and [16 ks + 2t + 8, +9]; heads >= group: 0.
+  u32 bq[KS][2];
+  {
+    const u32* qr = (const u32*)(q + (row0 + (g < group ? g : 0)) * D);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      bq[ks][0] = g < group ? qr[8 * ks + t] : 0u;
+      bq[ks][1] = g < group ? qr[8 * ks + t + 4] : 0u;
+    }
+  }
+
+  // Page metadata 32 pages at a time, lane i holding page i of the chunk; page ids one chunk ahead.
+  const int* pidx = indices + indptr[b] + p0;
+  u32 meta[4];
+  load_meta(lane < n ? pidx[lane] : -1, gstart, gdesc, hkv, h, meta);
+  int pid_next = 32 + lane < n ? pidx[32 + lane] : -1;
+
+  u32 sk = __shfl_sync(FULL, meta[0], 0), sv = __shfl_sync(FULL, meta[1], 0);
+  u32 dk = __shfl_sync(FULL, meta[2], 0), dv = __shfl_sync(FULL, meta[3], 0);
+  u32 kb[NB][8], vb[NB][8];
+  load_group(pool, sk, dk, kb, lane);
+  load_group(pool, sv, dv, vb, lane);
+
+  float o[KS][4];
+#pragma unroll
+  for (int i = 0; i < KS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // heads 2t and 2t + 1
+
+  for (int p = 0; p < n; ++p) {
+    const int nx = p + 1;
+    const bool more = nx < n;
+    if (more && (nx & 31) == 0) {  // next chunk of metadata
+      load_meta(pid_next, gstart, gdesc, hkv, h, meta);
+      pid_next = nx + 32 + lane < n ? pidx[nx + 32 + lane] : -1;
+    }
+    u32 nsk = 0, nsv = 0, ndk = FULL, ndv = FULL;
+    if (more) {
+      nsk = __shfl_sync(FULL, meta[0], nx & 31);
+      nsv = __shfl_sync(FULL, meta[1], nx & 31);
+      ndk = __shfl_sync(FULL, meta[2], nx & 31);
+      ndv = __shfl_sync(FULL, meta[3], nx & 31);
+    }
+
+    // S^T = K Q^T for this page's 16 tokens
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      u32 a0[4], a1[4];
+      block_frags(kb[j], (dk >> (8 * j)) & 0xFFu, a0, a1);
+      mma(s, a0, bq[2 * j][0], bq[2 * j][1]);
+      mma(s, a1, bq[2 * j + 1][0], bq[2 * j + 1][1]);
+    }
+    if (more) load_group(pool, nsk, ndk, kb, lane);
+
+    // online softmax in base 2; the running max moves only when a head's max grows by more than 2^8
+    const int tok = (p0 + p) * 16 + g;
+    float s0 = s[0] * scale_log2, s1 = s[1] * scale_log2, s2 = s[2] * scale_log2, s3 = s[3] * scale_log2;
+    if (tok >= kv_len) s0 = s1 = NEG_INF;
+    if (tok + 8 >= kv_len) s2 = s3 = NEG_INF;
+    float x0 = fmaxf(s0, s2), x1 = fmaxf(s1, s3);
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(FULL, x0, off));
+      x1 = fmaxf(x1, __shfl_xor_sync(FULL, x1, off));
+    }
+    if (__any_sync(FULL, x0 > m0 + 8.f || x1 > m1 + 8.f)) {
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+      const float c0 = ex2(m0 - n0), c1 = ex2(m1 - n1);
+#pragma unroll
+      for (int i = 0; i < KS; ++i) {
+        o[i][0] *= c0;
+        o[i][1] *= c1;
+        o[i][2] *= c0;
+        o[i][3] *= c1;
+      }
+      l0 *= c0;
+      l1 *= c1;
+      m0 = n0;
+      m1 = n1;
+    }
+    const float e0 = ex2(s0 - m0), e1 = ex2(s1 - m1), e2 = ex2(s2 - m0), e3 = ex2(s3 - m1);
+    l0 += e0 + e2;
+    l1 += e1 + e3;
+    const u32 pb0 = movtrans(pack_bf16(e0, e1)), pb1 = movtrans(pack_bf16(e2, e3));
+
+    // O^T += V^T P^T
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      u32 a0[4], a1[4];
+      block_frags(vb[j], (dv >> (8 * j)) & 0xFFu, a0, a1);
+      mma(o[2 * j], a0, pb0, pb1);
+      mma(o[2 * j + 1], a1, pb0, pb1);
+    }
+    if (more) load_group(pool, nsv, ndv, vb, lane);
+    dk = ndk;
+    dv = ndv;
+  }
+
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    l0 += __shfl_xor_sync(FULL, l0, off);
+    l1 += __shfl_xor_sync(FULL, l1, off);
+  }
+  const float i0 = 1.f / l0, i1 = 1.f / l1;
+  const int hd0 = 2 * t, hd1 = 2 * t + 1;
+  if (num_splits == 1) {
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+      const int dim = 16 * i + g;
+      if (hd0 < group) {
+        out[(row0 + hd0) * D + dim] = to_bf16(o[i][0] * i0);
+        out[(row0 + hd0) * D + dim + 8] = to_bf16(o[i][2] * i0);
+      }
+      if (hd1 < group) {
+        out[(row0 + hd1) * D + dim] = to_bf16(o[i][1] * i1);
+        out[(row0 + hd1) * D + dim + 8] = to_bf16(o[i][3] * i1);
+      }
+    }
+  } else {
+    const long long r0 = (row0 + hd0) * num_splits + split, r1 = (row0 + hd1) * num_splits + split;
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+      const int dim = 16 * i + g;
+      if (hd0 < group) {
+        opart[r0 * D + dim] = o[i][0] * i0;
+        opart[r0 * D + dim + 8] = o[i][2] * i0;
+      }
+      if (hd1 < group) {
+        opart[r1 * D + dim] = o[i][1] * i1;
+        opart[r1 * D + dim + 8] = o[i][3] * i1;
+      }
+    }
+    if (g == 0) {
+      if (hd0 < group) lse[r0] = m0 + __log2f(l0);
+      if (hd1 < group) lse[r1] = m1 + __log2f(l1);
+    }
+  }
+}
+
+// out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge), one thread per dim.
+extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
+                                     u16* __restrict__ out, const int* __restrict__ kv_lens, int split_tokens,
+                                     int num_splits, int hq_total) {
+  const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
+  const int n = (kv_lens[b] + split_tokens - 1) / split_tokens;
+  const long long row = ((long long)b * hq_total + hq) * num_splits;
+  float mx = NEG_INF;
+  for (int s = 0; s < n; ++s) mx = fmaxf(mx, lse[row + s]);
+  float sum = 0.f, acc = 0.f;
+  for (int s = 0; s < n; ++s) {
+    const float w = ex2(lse[row + s] - mx);
+    sum += w;
+    acc += w * opart[(row + s) * D + d];
+  }
+  out[((long long)b * hq_total + hq) * D + d] = to_bf16(acc / sum);
+}

@@ -1,0 +1,191 @@
+"""CUDA paged DECODE attention over ZipFusion pages in the "mma" value order (the ZipFusion paper's kernel design).
+
+Why CUDA next to the Triton kernel (:mod:`kvtide.kernels.zip_attention`): measured on the H200, the Triton kernel
+runs ~1,300 instructions per page and warp, a third of them moving rebuilt values from the layout Triton picks
+into the tensor cores' operand layout through shared memory; Triton gives no way to rebuild values straight into
+MMA fragments. Here each lane loads exactly the bytes of its own fragment values (the group's "mma" value order,
+:mod:`kvtide.cache.zip_order`) and rebuilds them in registers with ~1.5 integer ops per value (byte-parallel
+high bytes + one byte permute per pair), so no decompressed value ever leaves a register.
+
+Kernel (``cuda/zip_decode.cu``): one warp per (sequence, KV head, split), one page of 16 tokens per step:
+S^T = K Q^T on ``mma.m16n8k16`` (tokens as M, the GQA group padded to N = 8), online softmax in base 2 with a
+lazy rescale (the running max moves only when it grows by more than 2^8), P^T through ``movmatrix`` into the
+B operand, O^T += V^T P^T. The next page's loads are issued as soon as this page's buffer is consumed; page
+metadata comes 32 pages at a time (one page per lane, broadcast by shuffles). Splits write normalised partial
+outputs and base-2 log-sum-exps; ``zip_merge`` combines them. Raw blocks (the page being written, blocks the
+format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is the
+format-free control.
+
+Compiled at first use by NVRTC (:mod:`kvtide.kernels.cuda_jit`); plan once per batch, run per layer. Torch
+reference: :mod:`kvtide.kernels.zip_attention_ref` with ``zip_order.to_natural``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import cuda_jit
+
+SOURCE = Path(__file__).with_name("cuda") / "zip_decode.cu"
+LOG2E = 1.4426950408889634
+MAX_GROUP = 8  # the GQA group is the MMA's N side
+
+# launch defaults per head_dim: warps per CTA, CTAs per SM the register budget is cut for, waves of warps
+_DEFAULTS = {128: dict(warps=4, min_blocks=3, waves=2.0), 64: dict(warps=4, min_blocks=4, waves=2.0)}
+
+
+def unsupported(device: torch.device | str | None = None) -> str | None:
+    """Why the CUDA kernel cannot run here (None when it can)."""
+    if not torch.cuda.is_available():
+        return "the CUDA ZipFusion kernel needs a CUDA device"
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return f"the CUDA ZipFusion kernel needs CUDA tensors, got device {dev}"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major < 8:
+        return f"the CUDA ZipFusion kernel needs sm_80 or newer (bf16 mma), this device is sm_{major}{minor}"
+    try:
+        cuda_jit.nvrtc()
+    except cuda_jit.CudaJitError as e:
+        return str(e)
+    return None
+
+
+@functools.cache
+def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int) -> dict[str, cuda_jit.Kernel]:
+    major, minor = torch.cuda.get_device_capability(device)
+    cubin, _log = cuda_jit.compile_cubin(SOURCE.read_text(), "zip_decode", major * 10 + minor,
+                                         dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks))
+    return cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
+
+
+@dataclass
+class CudaDecodePlan:
+    """What every layer of one decode batch shares: page table, lengths, splits, launch shape, split buffers."""
+
+    indptr: torch.Tensor  # int32 [B + 1]
+    indices: torch.Tensor  # int32 [nnz pages]
+    kv_lens: torch.Tensor  # int32 [B]
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    version: int
+    num_splits: int
+    pages_per_split: int
+    warps: int
+    min_blocks: int
+    sm_scale: float
+    opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
+    lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
+         num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
+         sm_scale: float | None = None, num_splits: int | None = None, warps: int | None = None,
+         min_blocks: int | None = None, waves: float | None = None,
+         device: torch.device | str | None = None) -> CudaDecodePlan:
+    """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
+
+    ``num_splits=None`` cuts each sequence so that B * Hkv * splits warps fill ``waves`` waves of the SMs
+    (``min_blocks`` CTAs of ``warps`` warps each per SM), with at least 8 pages per split."""
+    if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
+        raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel (need 1..{MAX_GROUP})")
+    if head_dim not in _DEFAULTS:
+        raise ValueError(f"the CUDA ZipFusion kernel takes head_dim {sorted(_DEFAULTS)}, got {head_dim}")
+    if page_size != 16 or block_size != 512:
+        raise ValueError(f"the CUDA ZipFusion kernel needs page_size 16 and block_size 512 (the 'mma' value order), "
+                         f"got {page_size} and {block_size}")
+    if version not in (1, 2):
+        raise ValueError(f"unknown ZipFusion format version {version}")
+    dflt = _DEFAULTS[head_dim]
+    warps = dflt["warps"] if warps is None else warps
+    min_blocks = dflt["min_blocks"] if min_blocks is None else min_blocks
+    waves = dflt["waves"] if waves is None else waves
+    if not 1 <= warps <= 32 or min_blocks < 1 or waves <= 0:
+        raise ValueError(f"bad launch shape: warps {warps}, min_blocks {min_blocks}, waves {waves}")
+    dev = torch.device(device) if device is not None else kv_indices.device
+    indptr_h = kv_indptr.to("cpu", torch.int64)
+    last_h = kv_last_page_len.to("cpu", torch.int64)
+    npages = indptr_h[1:] - indptr_h[:-1]
+    if bool((npages < 1).any()) or bool((last_h < 1).any()) or bool((last_h > page_size).any()):
+        raise ValueError("every sequence needs at least one page and 1 <= last_page_len <= page_size")
+    batch = int(npages.numel())
+    max_pages = int(npages.max())
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        want = math.ceil(sms * warps * min_blocks * waves / max(1, batch * num_kv_heads))
+        num_splits = max(1, min(want, math.ceil(max_pages / 8)))
+    num_splits = max(1, min(num_splits, max_pages))
+    pages_per_split = math.ceil(max_pages / num_splits)
+    num_splits = math.ceil(max_pages / pages_per_split)
+    p = CudaDecodePlan(
+        indptr=indptr_h.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
+        kv_lens=((npages - 1) * page_size + last_h).to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
+        pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
+        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
+    if num_splits > 1:
+        p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
+        p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
+    return p
+
+
+def check_tables(p: CudaDecodePlan, pool: torch.Tensor, group_start: torch.Tensor, group_desc: torch.Tensor) -> None:
+    """Refuse storage tables that do not match the plan (shapes, dtypes, alignment, reach)."""
+    nb = p.head_dim // 32
+    if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() % 16 or not pool.is_contiguous():
+        raise ValueError("pool must be a contiguous 1-D uint8 tensor, its length a multiple of 16")
+    if pool.numel() >= 1 << 36:
+        raise ValueError("the CUDA kernel addresses pools below 64 GiB (starts in 16-byte units, 32 bits)")
+    if group_start.dtype != torch.int64 or group_start.shape[1:] != (p.num_kv_heads, 2):
+        raise ValueError(f"group_start must be int64 [num_pages, {p.num_kv_heads}, 2]")
+    if group_desc.dtype != torch.uint8 or group_desc.shape != (*group_start.shape, nb):
+        raise ValueError(f"group_desc must be uint8 [num_pages, {p.num_kv_heads}, 2, {nb}]")
+    if not (group_start.is_contiguous() and group_desc.is_contiguous()):
+        raise ValueError("group tables must be contiguous")
+
+
+def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: torch.Tensor, group_desc: torch.Tensor,
+        out: torch.Tensor | None = None, check: bool = False) -> torch.Tensor:
+    """Decode attention of one layer over "mma"-ordered compressed pages; q [B, Hq, D] bf16 -> [B, Hq, D] bf16."""
+    if q.shape != (p.batch, p.num_qo_heads, p.head_dim) or q.dtype != torch.bfloat16 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous bf16 [{p.batch}, {p.num_qo_heads}, {p.head_dim}], got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    if check:
+        check_tables(p, pool, group_start, group_desc)
+    out = torch.empty_like(q) if out is None else out
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    k = kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks)
+    split = p.num_splits > 1
+    grid = (math.ceil(p.num_splits / p.warps), p.num_kv_heads, p.batch)
+    k["zip_decode"].launch(grid, 32 * p.warps, [
+        q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
+        group_start, group_desc, float(p.sm_scale * LOG2E), p.pages_per_split, p.num_splits, p.num_kv_heads,
+        p.group])
+    if split:
+        k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
+            p.opart, p.lse, out, p.kv_lens, p.pages_per_split * 16, p.num_splits, p.num_qo_heads])
+    return out
+
+
+def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Control input: stored-order groups [P, Hkv, 2, 16 * D] bf16 laid out uncompressed (every block raw), as
+    (pool, group_start, group_desc); the same kernel over it measures the kernel without the format."""
+    p, hkv, _, n = groups.shape
+    pool = groups.contiguous().view(torch.uint8).reshape(-1)
+    starts = torch.arange(p * hkv * 2, device=groups.device, dtype=torch.int64).view(p, hkv, 2) * (2 * n)
+    desc = torch.full((p, hkv, 2, n // 512), 0xFF, dtype=torch.uint8, device=groups.device)
+    return pool, starts, desc
+
+
+__all__ = ["CudaDecodePlan", "plan", "run", "check_tables", "raw_pool", "unsupported"]
