@@ -40,6 +40,9 @@ class CacheConfig:
     compress: bool = False
     block_size: int = 512  # values per compression block; must divide page_size * head_dim
     format_version: int = 1  # 1, or 2 (exact-zero escape blocks)
+    # value order inside a page group (kvtide/cache/zip_order.py): "mma" feeds the CUDA decode kernel, "token" the
+    # Triton one and every torch path; "auto" = "mma" where the CUDA kernel can serve the model on this device
+    value_order: str = "auto"
     chunk_bytes: int | None = None  # pool chunk size; default: sized from the budget (zip_pages.auto_chunk_bytes)
     private_chunks: int = 1  # chunks each layer keeps for itself; the rest are shared across layers
 
@@ -59,6 +62,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.block_size must be a positive multiple of 32, got {self.block_size}")
         if self.format_version not in (1, 2):
             raise ValueError(f"CacheConfig.format_version must be 1 or 2, got {self.format_version}")
+        if self.value_order not in ("auto", "token", "mma"):
+            raise ValueError(f"CacheConfig.value_order must be auto, token or mma, got '{self.value_order}'")
         if self.chunk_bytes is not None and (self.chunk_bytes <= 0 or self.chunk_bytes % 16):
             raise ValueError(f"CacheConfig.chunk_bytes must be a positive multiple of 16, got {self.chunk_bytes}")
         if self.private_chunks < 0:

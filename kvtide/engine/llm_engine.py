@@ -91,7 +91,14 @@ class LLMEngine:
     def _make_store(self, budget: int, device: torch.device) -> ZipPagedKV:
         """The compressed pool over the same byte budget the fixed cache would take."""
         a, c = self.model.args, self.config.cache
-        geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, c.page_size, c.block_size, c.format_version)
+        order = c.value_order
+        if order == "auto":  # the CUDA kernel's order where it can serve this model here, else the Triton/torch one
+            from ..kernels import zip_attention_cuda as zc
+
+            why = zc.unsupported(device) or zc.shape_unsupported(a.num_heads, a.num_kv_heads, a.head_dim, c.page_size,
+                                                                 c.block_size)
+            order = "token" if why or self.config.attention_backend == "torch" else "mma"
+        geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, c.page_size, c.block_size, c.format_version, order)
         return ZipPagedKV(geo, budget, device, chunk_bytes=c.chunk_bytes, private_chunks=c.private_chunks)
 
     @property

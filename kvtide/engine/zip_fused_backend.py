@@ -1,7 +1,8 @@
 """Fused attention over the compressed pool (compress=True, backend 'zip'): the ZipFusion paper's design.
 
-Decode rows (sequences with one query this step) run the Triton kernel :mod:`kvtide.kernels.zip_attention`
-straight over the pool and the layer's group tables: compressed blocks are rebuilt in registers, the page being
+Decode rows (sequences with one query this step) run a fused kernel straight over the pool: the CUDA one
+(:mod:`kvtide.kernels.zip_attention_cuda`) when the store keeps the "mma" value order, else the Triton one
+(:mod:`kvtide.kernels.zip_attention`, "token" order). Either reads the pool and the layer's group tables: compressed blocks are rebuilt in registers, the page being
 written is a raw group (descriptors 0xFF) read as it is, and no decompressed copy of the cache is ever made.
 Rows the kernel does not do (prefill chunks: more than one query) go through decompress-then-attend
 (:mod:`.zip_backend`) for just those sequences. The step's new K/V are written into the pool first, for all
@@ -28,6 +29,14 @@ def fused_unsupported(store: ZipPagedKV, num_heads: int, num_kv_heads: int, head
     """Why the fused kernel cannot serve this store here, with the fix; None when it can.
 
     Checked when the backend is built, so 'auto' can fall back and an explicit 'zip' fails before any step."""
+    if store.geo.value_order == "mma":
+        from ..kernels import zip_attention_cuda as zc
+
+        why = zc.unsupported(store.device) or zc.shape_unsupported(num_heads, num_kv_heads, head_dim, page_size,
+                                                                   store.block_size)
+        return None if why is None else (f"attention_backend 'zip' over a store in the 'mma' value order runs the "
+                                         f"CUDA kernel: {why}; use CacheConfig.value_order='token' (Triton kernel) "
+                                         f"or attention_backend='torch'")
     if store.device.type != "cuda" and not _interpret():
         return ("attention_backend 'zip' runs a Triton kernel: it needs a CUDA device, or TRITON_INTERPRET=1 set "
                 "before kvtide's kernels are first used to run it on CPU (slow: tests only); otherwise use "
@@ -53,9 +62,11 @@ class ZipFusedAttention(AttentionBackend):
     def __init__(self, store: ZipPagedKV, num_heads: int, num_kv_heads: int, head_dim: int,
                  fallback: DecompressThenAttend):
         super().__init__([], num_heads, head_dim)
-        from ..kernels import zip_attention
-
-        self.za = zip_attention
+        if store.geo.value_order == "mma":
+            from ..kernels import zip_attention_cuda as kernel
+        else:
+            from ..kernels import zip_attention as kernel
+        self.kernel = kernel
         self.store = store
         self.num_kv_heads = num_kv_heads
         self.fallback = fallback
@@ -73,7 +84,7 @@ class ZipFusedAttention(AttentionBackend):
         self.write_rows = self.store.write_rows(layout.slot_mapping)  # once per step, for every layer's write
         self.kplan = None
         if dec:
-            self.kplan = self.za.plan(
+            self.kplan = self.kernel.plan(
                 *layout.page_table(dec), self.num_heads, self.num_kv_heads, self.head_dim, p,
                 block_size=self.store.block_size, version=self.store.format_version, sm_scale=self.scale, device=dev)
         self.counts["kernel_seqs"] += len(dec)
@@ -90,9 +101,13 @@ class ZipFusedAttention(AttentionBackend):
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The kernel takes contiguous bf16 [B, Hq, D]; the model may compute in fp32 (CPU)."""
-        out = self.za.run_zip(self.kplan, q.to(torch.bfloat16).contiguous(), self.store.pool,
-                              self.store.group_start[layer], self.store.group_desc[layer])
-        return out.to(q.dtype)
+        dtype, q = q.dtype, q.to(torch.bfloat16).contiguous()
+        st = self.store
+        if self.kernel.__name__.endswith("_cuda"):
+            out = self.kernel.run(self.kplan, q, st.pool, st.group_start[layer], st.group_desc[layer])
+        else:
+            out = self.kernel.run_zip(self.kplan, q, st.pool, st.group_start[layer], st.group_desc[layer])
+        return out.to(dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with record_function("kvtide.zip_write"):

@@ -34,9 +34,22 @@ from . import cuda_jit
 SOURCE = Path(__file__).with_name("cuda") / "zip_decode.cu"
 LOG2E = 1.4426950408889634
 MAX_GROUP = 8  # the GQA group is the MMA's N side
+SPLIT_START_PAGES = 4  # a split's fixed cost (Q and metadata loads, first page's latency, merge) in pages
 
 # launch defaults per head_dim: warps per CTA, CTAs per SM the register budget is cut for, waves of warps
-_DEFAULTS = {128: dict(warps=4, min_blocks=3, waves=2.0), 64: dict(warps=4, min_blocks=4, waves=2.0)}
+_DEFAULTS = {128: dict(warps=4, min_blocks=3, waves=None), 64: dict(warps=4, min_blocks=4, waves=None)}
+
+
+def pick_splits(units: int, max_pages: int, resident_warps: int) -> int:
+    """Splits per (sequence, KV head) under a wave model: ``units * s`` warps run ``resident_warps`` at a time,
+    each walking ``max_pages / s`` pages after a start-up worth about ``SPLIT_START_PAGES``, so time ~
+    ceil(units * s / resident) * (ceil(max_pages / s) + SPLIT_START_PAGES); the fewest splits among the best."""
+    best, best_cost = 1, math.inf
+    for s in range(1, max(1, min(max_pages // 4, 128)) + 1):
+        cost = math.ceil(units * s / resident_warps) * (math.ceil(max_pages / s) + SPLIT_START_PAGES)
+        if cost < best_cost * 0.98:
+            best, best_cost = s, cost
+    return best
 
 
 def unsupported(device: torch.device | str | None = None) -> str | None:
@@ -52,6 +65,18 @@ def unsupported(device: torch.device | str | None = None) -> str | None:
     try:
         cuda_jit.nvrtc()
     except cuda_jit.CudaJitError as e:
+        return str(e)
+    return None
+
+
+def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
+                      block_size: int = 512) -> str | None:
+    """Why the kernel cannot take this attention shape (None when it can); host only, nothing compiled."""
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    try:
+        plan(one, one[:1], torch.tensor([page_size], dtype=torch.int32), num_qo_heads, num_kv_heads, head_dim,
+             page_size, block_size=block_size, num_splits=1, device="cpu")
+    except ValueError as e:
         return str(e)
     return None
 
@@ -96,8 +121,9 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
          device: torch.device | str | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
-    ``num_splits=None`` cuts each sequence so that B * Hkv * splits warps fill ``waves`` waves of the SMs
-    (``min_blocks`` CTAs of ``warps`` warps each per SM), with at least 8 pages per split."""
+    ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
+    (``min_blocks`` CTAs of ``warps`` warps per SM); with ``waves`` set, enough splits for B * Hkv * splits warps to
+    fill that many waves, at least 8 pages per split."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel (need 1..{MAX_GROUP})")
     if head_dim not in _DEFAULTS:
@@ -111,7 +137,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     warps = dflt["warps"] if warps is None else warps
     min_blocks = dflt["min_blocks"] if min_blocks is None else min_blocks
     waves = dflt["waves"] if waves is None else waves
-    if not 1 <= warps <= 32 or min_blocks < 1 or waves <= 0:
+    if not 1 <= warps <= 32 or min_blocks < 1 or (waves is not None and waves <= 0):
         raise ValueError(f"bad launch shape: warps {warps}, min_blocks {min_blocks}, waves {waves}")
     dev = torch.device(device) if device is not None else kv_indices.device
     indptr_h = kv_indptr.to("cpu", torch.int64)
@@ -123,8 +149,11 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     max_pages = int(npages.max())
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-        want = math.ceil(sms * warps * min_blocks * waves / max(1, batch * num_kv_heads))
-        num_splits = max(1, min(want, math.ceil(max_pages / 8)))
+        if waves is None:
+            num_splits = pick_splits(batch * num_kv_heads, max_pages, sms * warps * min_blocks)
+        else:
+            want = math.ceil(sms * warps * min_blocks * waves / max(1, batch * num_kv_heads))
+            num_splits = max(1, min(want, math.ceil(max_pages / 8)))
     num_splits = max(1, min(num_splits, max_pages))
     pages_per_split = math.ceil(max_pages / num_splits)
     num_splits = math.ceil(max_pages / pages_per_split)
@@ -167,11 +196,11 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     k = kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks)
     split = p.num_splits > 1
-    grid = (math.ceil(p.num_splits / p.warps), p.num_kv_heads, p.batch)
+    grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.pages_per_split, p.num_splits, p.num_kv_heads,
-        p.group])
+        p.group, p.batch])
     if split:
         k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
             p.opart, p.lse, out, p.kv_lens, p.pages_per_split * 16, p.num_splits, p.num_qo_heads])

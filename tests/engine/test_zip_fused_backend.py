@@ -133,6 +133,6 @@ def test_zip_on_cpu_without_interpreter_is_refused_with_the_fix(monkeypatch):
 
 def test_shape_limits_name_the_fix():
     store = SimpleNamespace(device=torch.device(DEV), block_size=512, format_version=1,
-                            pool=torch.zeros(1 << 10, dtype=torch.uint8))
+                            pool=torch.zeros(1 << 10, dtype=torch.uint8), geo=SimpleNamespace(value_order="token"))
     assert fused_unsupported(store, 4, 2, 32, 16) is None
     assert "head_dim" in fused_unsupported(store, 4, 2, 96, 16)

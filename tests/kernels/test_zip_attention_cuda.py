@@ -93,7 +93,7 @@ def test_plan_refuses_what_the_kernel_cannot_do() -> None:
 def _pages(n: int, hkv: int, d: int, gen: torch.Generator) -> torch.Tensor:
     """NHD pages whose blocks mix compressible, incompressible (outlier channel) and zero-laden ones."""
     kv = torch.randn(n, 2, 16, hkv, d, generator=gen)
-    kv[:, 0] *= torch.exp(torch.randn(1, 1, 1, hkv, d, generator=gen))  # key channel scales
+    kv[:, 0] *= torch.exp(torch.randn(1, 1, hkv, d, generator=gen))  # key channel scales
     kv[::3, 0, :, :, 5] *= 3e4  # outlier channel: raw blocks
     kv[1::4, :, :, :, 9] = 0.0  # zero channel: v1 raw, v2 escape
     return kv.bfloat16()

@@ -2,7 +2,8 @@
 // launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
 // Compiled at first use by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS; needs no header.
 //
-// One warp walks one split of one (sequence, KV head), one page (16 tokens) per step:
+// One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
+// consecutive such units):
 //   S^T[16 tok x 8 heads] = K[16 x D] Q^T        mma.m16n8k16, K rebuilt straight into A fragments
 //   P^T = exp2(S^T - m) -> bf16, movmatrix.trans -> B fragments
 //   O^T[D x 8 heads]     += V^T[D x 16] P^T      mma.m16n8k16, V rebuilt straight into A fragments
@@ -145,11 +146,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
            const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
-           float scale_log2, int pages_per_split, int num_splits, int hkv, int group) {
+           float scale_log2, int pages_per_split, int num_splits, int hkv, int group, int batch) {
+  // warps of a CTA take consecutive (sequence, KV head, split) units, splits innermost: none idles
   const int lane = threadIdx.x & 31;
-  const int split = blockIdx.x * NWARPS + (threadIdx.x >> 5);
-  const int h = blockIdx.y, b = blockIdx.z;
-  if (split >= num_splits) return;
+  const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
+  if (unit >= batch * hkv * num_splits) return;
+  const int split = unit % num_splits, h = (unit / num_splits) % hkv, b = unit / (num_splits * hkv);
   const int kv_len = kv_lens[b];
   const int p0 = split * pages_per_split;
   const int n = min((kv_len + 15) / 16 - p0, pages_per_split);
