@@ -219,7 +219,7 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
     """One engine; prefixes warmed once and reused from the prefix cache; batches in increasing order."""
     try:
         llm = LLM(a.model_name, progress=False, device=a.device, dtype=a.dtype, attention_backend=backend, seed=0,
-                  cache=CacheConfig(kv_cache_bytes=budget, compress=compress),
+                  cuda_graphs=a.cuda_graphs, cache=CacheConfig(kv_cache_bytes=budget, compress=compress),
                   scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
                                             max_model_len=a.context + steps + PAGE))
     except ValueError as e:  # e.g. zip refusing a pool the kernel cannot address
@@ -273,6 +273,9 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
               f"host ops: {[(r['name'], round(r['self_cpu_ms'] / a.profile_steps, 2)) for r in out['profile']['top_self_cpu'][:6]]}",
               flush=True)
     out["kv_stats_end"] = {k: v for k, v in eng.kv_stats().items() if isinstance(v, (int, float, bool))}
+    out["decode_kernel"] = getattr(getattr(eng.runner.attention, "kernel", None), "__name__", eng.runner.attention.name)
+    out["value_order"] = eng.store.geo.value_order if compress else None
+    out["cuda_graph_captures"] = eng.runner.graphs.captures if eng.runner.graphs is not None else 0
     if compress:
         out["compression_end"] = compression_seen(eng)
     del llm, eng, proxy
@@ -319,6 +322,7 @@ def main() -> None:
     ap.add_argument("--baseline", default="flashinfer", help="uncompressed backend (and decompress-then-attend's inner)")
     ap.add_argument("--step-tokens", type=int, default=16384, help="SchedulerConfig.max_num_batched_tokens")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs for every backend (decode steps)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timed runs, profile this many decode steps at each backend's smallest batch")
     ap.add_argument("--zip-options", default=None,
@@ -356,7 +360,7 @@ def main() -> None:
                            "kv_cache_bytes": budget, "kv_cache_gib": budget / 2**30,
                            "budget_note": f"{a.budget_seqs:g} uncompressed sequences of {a.context}+{a.steps} tokens "
                                           "(+8 pages), the same bytes for every backend",
-                           "batches": batches, "step_tokens": a.step_tokens, "cuda_graphs": False,
+                           "batches": batches, "step_tokens": a.step_tokens, "cuda_graphs": a.cuda_graphs,
                            "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
                                            "batch decodes and nothing else runs)"}}
     bank = None

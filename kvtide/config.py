@@ -136,6 +136,9 @@ class EngineConfig:
     # auto: on CUDA zip (compress=True, fused Triton kernel) or flashinfer when importable, else torch;
     # zip needs CacheConfig(compress=True) and CUDA (or TRITON_INTERPRET=1 on CPU, for tests)
     attention_backend: str = "auto"
+    # decode steps replay the model between attention calls as CUDA graphs (kvtide/engine/cuda_graphs.py): the
+    # host work of a step drops to L + 1 graph launches and L attention calls. CUDA only.
+    cuda_graphs: bool = False
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -50,6 +50,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         device = config.torch_device
+        if config.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"EngineConfig.cuda_graphs needs a CUDA device; this engine runs on {device}")
         dtype = config.torch_dtype
         sched_cfg = config.scheduler
         self.model, self.tokenizer, self.model_dir = load_model(config.model, device, dtype, progress=progress)
@@ -67,7 +69,7 @@ class LLMEngine:
         num_pages = cache.num_pages or budget // page_bytes
         self.store = self._make_store(num_pages * page_bytes, device) if cache.compress else None
         self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend,
-                                  store=self.store)
+                                  store=self.store, cuda_graphs=config.cuda_graphs)
         self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, store=self.store)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         # A sequence may never outgrow the whole cache, or it would preempt itself forever.

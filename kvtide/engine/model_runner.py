@@ -7,6 +7,7 @@ from torch.profiler import record_function
 from ..cache.zip_pages import ZipPagedKV
 from ..models.llama import CausalLM
 from .attention import BatchLayout, make_backend
+from .cuda_graphs import DecodeGraphs
 from .zip_backend import make_zip_backend
 from .sampler import sample
 from .sequence import Sequence
@@ -16,13 +17,15 @@ class ModelRunner:
     """KV lives either in fixed per-layer tensors or, with `store` (compress=True), in the compressed pool."""
 
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, kv_dtype: torch.dtype, backend: str,
-                 store: ZipPagedKV | None = None):
+                 store: ZipPagedKV | None = None, cuda_graphs: bool = False):
         a = model.args
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = page_size
         self.num_pages = num_pages
         self.store = store
+        # decode-only steps replay the model between attention calls as CUDA graphs (kvtide/engine/cuda_graphs.py)
+        self.graphs = DecodeGraphs(model, self.device) if cuda_graphs else None
         if store is not None:
             self.kv_caches: list[torch.Tensor] = []
             self.attention = make_zip_backend(backend, store, a.num_heads, a.num_kv_heads, a.head_dim, page_size)
@@ -74,12 +77,15 @@ class ModelRunner:
         with record_function("kvtide.attention_plan"):
             self.attention.plan(layout)
         with record_function("kvtide.model"):
-            logits = self.model(
-                torch.tensor(ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
-                self.attention,
-                logit_rows=rows,
-            )
+            if self.graphs is not None and layout.is_decode_only:  # every row samples: logits of all rows
+                logits = self.graphs.get(len(ids)).run(torch.tensor(ids), torch.tensor(positions), self.attention)
+            else:
+                logits = self.model(
+                    torch.tensor(ids, dtype=torch.long, device=self.device),
+                    torch.tensor(positions, dtype=torch.long, device=self.device),
+                    self.attention,
+                    logit_rows=rows,
+                )
         if self.store is not None:  # the step's attention reads are done: compress the pages it filled
             p = self.page_size
             with record_function("kvtide.compress"):

@@ -76,6 +76,9 @@ RANDOM_PRESETS = {
     "llama3-8b": ModelArgs.llama3_8b,
     "tiny": lambda: ModelArgs(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                               head_dim=32, vocab_size=1000, max_position_embeddings=4096),
+    # the CUDA ZipFusion kernel's shapes (head_dim 128, GQA group 4) at test size
+    "tiny-d128": lambda: ModelArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
+                                   head_dim=128, vocab_size=1000, max_position_embeddings=4096),
 }
 
 

@@ -1,0 +1,117 @@
+"""Piecewise CUDA graphs for decode steps: the model between attention calls replays as captured graphs, attention
+runs eagerly between them (``EngineConfig.cuda_graphs``).
+
+Why piecewise: an attention call's launch parameters change every step (page tables, lengths, split counts) and
+the compressed pool's tables move as pages compress, while everything else in a decode step (embedding, norms,
+projections, RoPE, MLP, LM head) has fixed shapes for a fixed batch size. On the H200 (Llama-3.1-8B shape) decode
+steps were host-bound: ~28 ms per step at every batch from 16 to 64, most of it Python and launches in the model
+(bench/results/zip_engine_h200_profile_log.txt). Here a step is L + 1 graph replays and L attention calls.
+
+How: the model is run once under capture with a stand-in attention (:class:`_Segments`) that ends the running
+capture at each attention call, keeps that layer's q/k/v (outputs of the graph just captured, at fixed addresses)
+and returns a fixed buffer that the next segment, captured from there on, reads as the attention output. Replay:
+segment i, then the real attention on q/k/v of layer i copied into that buffer, then segment i + 1. All segments of
+one batch size share one memory pool and replay in capture order, as torch requires of graphs sharing a pool.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class _ZeroAttention:
+    """Warm-up stand-in (cuBLAS handles and allocator state must exist before capture)."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(q)
+
+
+class _Segments:
+    """Stand-in attention during capture: cuts the capture at every attention call."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.outs: list[torch.Tensor] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # other threads may run
+
+    def end(self) -> None:
+        self.graph.capture_end()
+        self.graphs.append(self.graph)
+        self.graph = None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer != len(self.qkv):
+            raise RuntimeError(f"attention calls out of order during capture (layer {layer} after {len(self.qkv)})")
+        self.end()
+        self.qkv.append((q, k, v))
+        out = torch.empty_like(q)  # outside any capture: a plain buffer the next segment reads
+        self.outs.append(out)
+        self.begin()
+        return out
+
+
+class DecodeGraph:
+    """One batch size's captured decode step."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, device: torch.device, warmup: int = 2):
+        self.batch = batch
+        self.ids = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        rows = torch.arange(batch, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                model(self.ids, self.positions, _ZeroAttention(), logit_rows=rows)
+            seg = _Segments(torch.cuda.graph_pool_handle())
+            seg.begin()
+            try:
+                self.logits = model(self.ids, self.positions, seg, logit_rows=rows)
+            finally:
+                if seg.graph is not None:
+                    seg.end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graphs, self.qkv, self.outs = seg.graphs, seg.qkv, seg.outs
+        if len(self.graphs) != len(self.qkv) + 1:
+            raise RuntimeError("capture did not split into one segment per attention call plus one")
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """Logits [batch, vocab] (float32) of one decode step; valid until the next run of this graph."""
+        self.ids.copy_(ids, non_blocking=True)
+        self.positions.copy_(positions, non_blocking=True)
+        for layer, (q, k, v) in enumerate(self.qkv):
+            self.graphs[layer].replay()
+            self.outs[layer].copy_(attention(layer, q, k, v))
+        self.graphs[-1].replay()
+        return self.logits
+
+
+class DecodeGraphs:
+    """Captured decode steps by batch size, captured on first use; the least recently used go beyond ``max_sizes``."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_sizes: int = 8):
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the engine runs on {device}")
+        self.model = model
+        self.device = device
+        self.max_sizes = max_sizes
+        self.cache: OrderedDict[int, DecodeGraph] = OrderedDict()
+        self.captures = 0
+
+    def get(self, batch: int) -> DecodeGraph:
+        g = self.cache.get(batch)
+        if g is None:
+            g = DecodeGraph(self.model, batch, self.device)
+            self.captures += 1
+            self.cache[batch] = g
+            while len(self.cache) > self.max_sizes:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(batch)
+        return g
