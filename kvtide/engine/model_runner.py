@@ -77,8 +77,10 @@ class ModelRunner:
         with record_function("kvtide.attention_plan"):
             self.attention.plan(layout)
         with record_function("kvtide.model"):
-            if self.graphs is not None and layout.is_decode_only:  # every row samples: logits of all rows
+            if self.graphs is not None and layout.is_decode_only:  # logits of all rows, then the sampled ones
                 logits = self.graphs.get(len(ids)).run(torch.tensor(ids), torch.tensor(positions), self.attention)
+                if len(sampling) != len(batch):  # a one-token prompt chunk short of its prompt's end samples nothing
+                    logits = logits[rows]
             else:
                 logits = self.model(
                     torch.tensor(ids, dtype=torch.long, device=self.device),
