@@ -64,7 +64,8 @@ class DecodeGraph:
         self.batch = batch
         self.ids = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        rows = torch.arange(batch, device=device)
+        # every tensor a graph reads must outlive it: a local freed here would be reused under the graph's feet
+        self.rows = rows = torch.arange(batch, device=device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
