@@ -2,7 +2,10 @@
 
 * page table (FlashInfer-style indptr / indices / last page length): Python lists through torch.tensor, as the
   backends built it before, vs BatchLayout.page_table (numpy);
-* the compressed pool's write: index recomputed in every layer's write vs ZipPagedKV.write_rows planned once.
+* the compressed pool's write: index recomputed in every layer's write vs ZipPagedKV.write_rows planned once;
+* the chunk pool's bookkeeping when a step compresses 65 filled pages (every 16th decode step at batch 65): their
+  raw slots freed one offset at a time (the old ChunkPool.free) vs grouped by chunk (numpy), in all 32 layers, each
+  followed by the same re-allocation.
 Shape: Llama-3.1-8B KV (32 layers, 8 KV heads, d 128, page 16), batch 48 decoding at 8,192 + 200 tokens.
 Medians of interleaved repetitions. On a GPU these are host costs per decode step as well.
 
@@ -18,6 +21,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,6 +29,22 @@ from kvtide.cache.zip_pages import ZipGeometry, ZipPagedKV  # noqa: E402
 from kvtide.engine.attention import BatchLayout  # noqa: E402
 
 B, P, L, H, D, KV = 48, 16, 32, 8, 128, 8192 + 200
+FILLED = 65  # pages one compressing step frees, one per sequence
+
+
+def free_one_by_one(pool, offsets) -> None:
+    """ChunkPool.free as it was before 2026-11-29 (one Python iteration per slot), the baseline."""
+    cb = pool.geo.chunk_bytes
+    for off in np.asarray(offsets, dtype=np.int64).ravel().tolist():
+        c = off // cb
+        layer, k = int(pool.owner[c]), int(pool.klass[c])
+        pool.slot_free[c].append((off - c * cb) // pool.geo.slot_bytes(k))
+        pool.used[c] -= 1
+        pool.open[layer][k].add(c)
+        if k == 0:
+            pool.raw_free_slots[layer] += 1
+        if pool.used[c] == 0:
+            pool._return_chunk(c)
 
 
 def plain_table(layout: BatchLayout):
@@ -66,8 +86,17 @@ def main() -> None:
         for layer in range(L):
             store.write(layer, k, v, slots, rows)
 
+    pool = ZipPagedKV(ZipGeometry(L, H, D, P), budget_bytes=(FILLED + 16) * ZipGeometry(L, H, D, P).raw_page_bytes).alloc
+    groups = FILLED * H * 2
+
+    def place(bulk: bool) -> None:
+        for layer in range(L):
+            offs = pool.alloc(layer, 0, groups)
+            pool.free(offs) if bulk else free_one_by_one(pool, offs)
+
     cases = {"page_table_lists": lambda: plain_table(layout), "page_table_numpy": layout.page_table,
-             "write_per_layer_index": lambda: write(False), "write_rows_planned": lambda: write(True)}
+             "write_per_layer_index": lambda: write(False), "write_rows_planned": lambda: write(True),
+             "pool_free_one_by_one": lambda: place(False), "pool_free_bulk": lambda: place(True)}
     for fn in cases.values():  # warm-up
         fn()
     times = {name: [] for name in cases}
@@ -76,10 +105,12 @@ def main() -> None:
             times[name] += median_ms(fn, 1, 10)
     med = {name: statistics.median(v) for name, v in times.items()}
     res = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "torch": torch.__version__,
-           "torch_threads": 1, "shape": dict(batch=B, kv_tokens=KV, layers=L, kv_heads=H, head_dim=D, page_size=P),
+           "torch_threads": 1, "shape": dict(batch=B, kv_tokens=KV, layers=L, kv_heads=H, head_dim=D, page_size=P,
+                                             pages_compressed_per_step=FILLED),
            "ms_per_step_median": med, "samples_ms": times,
            "ratios": {"page_table": med["page_table_lists"] / med["page_table_numpy"],
-                      "write": med["write_per_layer_index"] / med["write_rows_planned"]}}
+                      "write": med["write_per_layer_index"] / med["write_rows_planned"],
+                      "pool_free": med["pool_free_one_by_one"] / med["pool_free_bulk"]}}
     out = Path(__file__).resolve().parent / "results" / "host_overhead_cpu.json"
     out.write_text(json.dumps(res, indent=1))
     for name, ms in med.items():

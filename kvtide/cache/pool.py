@@ -106,38 +106,53 @@ class ChunkPool:
 
     def alloc(self, layer: int, k: int, count: int) -> np.ndarray:
         """Byte offsets of up to ``count`` slots of class k for ``layer`` (fewer if the pool runs dry)."""
-        out: list[int] = []
+        out: list[np.ndarray] = []
+        got = 0
         size = self.geo.slot_bytes(k)
         cb = self.geo.chunk_bytes
-        while len(out) < count:
+        while got < count:
             chunks = self.open[layer][k]
             c = max(chunks, key=lambda i: self.used[i]) if chunks else self._take_chunk(layer, k)
             if c is None:
                 break
             free = self.slot_free[c]
-            take = min(count - len(out), len(free))
+            take = min(count - got, len(free))
             slots = free[len(free) - take:]
             del free[len(free) - take:]
-            out.extend(c * cb + s * size for s in reversed(slots))
+            out.append(c * cb + np.asarray(slots[::-1], dtype=np.int64) * size)
             self.used[c] += take
+            got += take
             if k == 0:
                 self.raw_free_slots[layer] -= take
             if not free:
                 chunks.discard(c)
-        return np.asarray(out, dtype=np.int64)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def free(self, offsets: np.ndarray) -> None:
-        """Give back slots by their byte offsets (any layers and classes)."""
+        """Give back slots by their byte offsets (any layers and classes). Grouped by chunk with numpy: a compression
+        step frees tens of thousands of raw slots, one Python iteration each cost ~90 ms per step (8B shape, 65 pages)."""
+        offs = np.asarray(offsets, dtype=np.int64).ravel()
+        if not offs.size:
+            return
         cb = self.geo.chunk_bytes
-        for off in np.asarray(offsets, dtype=np.int64).ravel().tolist():
-            c = off // cb
+        chunk = offs // cb
+        order = np.argsort(chunk, kind="stable")  # within a chunk, slots go back in the order given
+        chunk, offs = chunk[order], offs[order]
+        cuts = np.flatnonzero(np.diff(chunk)) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [chunk.size]])
+        # chunks in the order their last slot comes back, as one-by-one freeing would return emptied ones
+        last = np.maximum.reduceat(order, starts)
+        groups = np.argsort(last, kind="stable")
+        for c, a, b in zip(chunk[starts][groups].tolist(), starts[groups].tolist(), ends[groups].tolist()):
             layer, k = int(self.owner[c]), int(self.klass[c])
             assert layer >= 0, "freeing a slot of a free chunk"
-            self.slot_free[c].append((off - c * cb) // self.geo.slot_bytes(k))
-            self.used[c] -= 1
+            n = b - a
+            self.slot_free[c].extend(((offs[a:b] - c * cb) // self.geo.slot_bytes(k)).tolist())
+            self.used[c] -= n
             self.open[layer][k].add(c)
             if k == 0:
-                self.raw_free_slots[layer] += 1
+                self.raw_free_slots[layer] += n
             if self.used[c] == 0:
                 self._return_chunk(c)
 

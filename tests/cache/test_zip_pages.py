@@ -183,3 +183,27 @@ def test_write_with_rows_planned_once_equals_per_call_rows() -> None:
         a, b = (st.read_pages(layer, torch.tensor(pids)) for st in stores)
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         assert bool((a != 0).any())  # something was written
+
+
+def test_pool_free_in_bulk_equals_one_by_one() -> None:
+    """ChunkPool.free groups offsets by chunk (numpy); the state must be what freeing them one at a time gives:
+    the same free-slot order per chunk, counts, open slabs, chunks returned, and the same next allocations."""
+    geo = PoolGeometry(num_layers=2, groups_per_page=2, blocks_per_group=2, block_size=512, chunk_bytes=2048 * 6,
+                       num_chunks=12, private_chunks=1)
+    rng = np.random.default_rng(0)
+    pools = [ChunkPool(geo), ChunkPool(geo)]
+    taken = [[p.alloc(layer, k, 9) for layer in range(2) for k in (0, 1, 2)] for p in pools]
+    assert all(np.array_equal(a, b) for a, b in zip(*taken))
+    offs = np.concatenate(taken[0])
+    give = rng.permutation(offs)[: len(offs) * 2 // 3]  # shuffled, spanning chunks, emptying some of them
+    pools[0].free(give)
+    for off in give:
+        pools[1].free(np.array([off]))
+    a, b = pools
+    assert a.slot_free == b.slot_free and a.open == b.open and a.chunks_returned == b.chunks_returned
+    assert np.array_equal(a.used, b.used) and np.array_equal(a.raw_free_slots, b.raw_free_slots)
+    assert a.shared_free == b.shared_free and a.private_free == b.private_free
+    assert a.chunks_returned > 0, "the case should empty a chunk"
+    for layer in range(2):
+        for k in (0, 1, 2):
+            assert np.array_equal(a.alloc(layer, k, 5), b.alloc(layer, k, 5))
