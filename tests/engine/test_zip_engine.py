@@ -30,7 +30,8 @@ def zip_llm(**cache_kw):
 def runs():
     """The same requests, in the same order, on the fixed cache and on the compressed one."""
     out = {}
-    for name, llm in (("dense", engine_llm(SMOL)), ("zip", zip_llm(num_pages=96))):
+    for name, llm in (("dense", engine_llm(SMOL)), ("zip", zip_llm(num_pages=96)),
+                      ("zip_mma", zip_llm(num_pages=96, value_order="mma"))):  # the CUDA kernel's value order
         batch = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         first = llm.generate(PREAMBLE + "Question one:", GREEDY)[0]
         second = llm.generate(PREAMBLE + "Question two, a little different:", GREEDY)[0]
@@ -38,9 +39,11 @@ def runs():
     return out
 
 
-def test_greedy_tokens_equal_with_and_without_compression(runs):
+@pytest.mark.parametrize("kind", ["zip", "zip_mma"])
+def test_greedy_tokens_equal_with_and_without_compression(runs, kind):
     _, batch_d, first_d, second_d = runs["dense"]
-    llm, batch_z, first_z, second_z = runs["zip"]
+    llm, batch_z, first_z, second_z = runs[kind]
+    assert llm.engine.store.geo.value_order == ("mma" if kind == "zip_mma" else "token")
     assert batch_z == batch_d
     assert first_z.token_ids == first_d.token_ids
     assert second_z.num_cached_tokens >= 16, "the preamble should come from cached (compressed) pages"
@@ -50,8 +53,9 @@ def test_greedy_tokens_equal_with_and_without_compression(runs):
     assert 0.75 <= s["k_ratio"] < 0.95 and 0.75 <= s["v_ratio"] < 0.9, s
 
 
-def test_pool_bytes_decode_to_exactly_the_kv_written(runs):
-    dense, zipped = runs["dense"][0].engine, runs["zip"][0].engine
+@pytest.mark.parametrize("kind", ["zip", "zip_mma"])
+def test_pool_bytes_decode_to_exactly_the_kv_written(runs, kind):
+    dense, zipped = runs["dense"][0].engine, runs[kind][0].engine
     store = zipped.store
     pairs = [(pz, dense.block_manager.hash_to_page[h]) for h, pz in zipped.block_manager.hash_to_page.items()
              if h in dense.block_manager.hash_to_page]
