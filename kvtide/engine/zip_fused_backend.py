@@ -34,6 +34,8 @@ def fused_unsupported(store: ZipPagedKV, num_heads: int, num_kv_heads: int, head
 
         why = zc.unsupported(store.device) or zc.shape_unsupported(num_heads, num_kv_heads, head_dim, page_size,
                                                                    store.block_size)
+        if why is None and store.pool.numel() > zc.MAX_POOL_BYTES:
+            why = f"its pool ({store.pool.numel() >> 30} GiB) is beyond the kernel's {zc.MAX_POOL_BYTES >> 30} GiB reach"
         return None if why is None else (f"attention_backend 'zip' over a store in the 'mma' value order runs the "
                                          f"CUDA kernel: {why}; use CacheConfig.value_order='token' (Triton kernel) "
                                          f"or attention_backend='torch'")

@@ -34,6 +34,7 @@ from . import cuda_jit
 SOURCE = Path(__file__).with_name("cuda") / "zip_decode.cu"
 LOG2E = 1.4426950408889634
 MAX_GROUP = 8  # the GQA group is the MMA's N side
+MAX_POOL_BYTES = 1 << 36  # group starts travel as 32-bit counts of 16-byte units
 SPLIT_START_PAGES = 4  # a split's fixed cost (Q and metadata loads, first page's latency, merge) in pages
 
 # launch defaults per head_dim: warps per CTA, CTAs per SM the register budget is cut for, waves of warps
@@ -174,8 +175,6 @@ def check_tables(p: CudaDecodePlan, pool: torch.Tensor, group_start: torch.Tenso
     nb = p.head_dim // 32
     if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() % 16 or not pool.is_contiguous():
         raise ValueError("pool must be a contiguous 1-D uint8 tensor, its length a multiple of 16")
-    if pool.numel() >= 1 << 36:
-        raise ValueError("the CUDA kernel addresses pools below 64 GiB (starts in 16-byte units, 32 bits)")
     if group_start.dtype != torch.int64 or group_start.shape[1:] != (p.num_kv_heads, 2):
         raise ValueError(f"group_start must be int64 [num_pages, {p.num_kv_heads}, 2]")
     if group_desc.dtype != torch.uint8 or group_desc.shape != (*group_start.shape, nb):
@@ -190,6 +189,9 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
     if q.shape != (p.batch, p.num_qo_heads, p.head_dim) or q.dtype != torch.bfloat16 or not q.is_contiguous():
         raise ValueError(f"q must be contiguous bf16 [{p.batch}, {p.num_qo_heads}, {p.head_dim}], got "
                          f"{q.dtype} {tuple(q.shape)}")
+    if pool.numel() > MAX_POOL_BYTES:  # always checked: past it, starts would wrap and read the wrong bytes
+        raise ValueError(f"the CUDA ZipFusion kernel addresses pools up to {MAX_POOL_BYTES >> 30} GiB "
+                         f"(group starts as 32-bit counts of 16-byte units); this pool has {pool.numel() >> 30} GiB")
     if check:
         check_tables(p, pool, group_start, group_desc)
     out = torch.empty_like(q) if out is None else out

@@ -135,3 +135,14 @@ def test_kernel_matches_float64_reference(head_dim: int, group: int, version: in
     assert err < 1e-2, err
     raw = zc.run(p, q, *zc.raw_pool(groups.contiguous()))  # the format-free control: same kernel, same answer
     assert float((raw.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_run_refuses_a_pool_beyond_the_kernels_reach(monkeypatch) -> None:
+    """Starts travel as 32-bit counts of 16-byte units: a larger pool must be refused, never wrapped."""
+    monkeypatch.setattr(zc, "MAX_POOL_BYTES", 1 << 10)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    p = zc.plan(one, one[:1], torch.tensor([16], dtype=torch.int32), 8, 2, 128, num_splits=1, device="cpu")
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="addresses pools up to"):
+        zc.run(p, q, torch.zeros(2048, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.int64),
+               torch.zeros(1, 2, 2, 4, dtype=torch.uint8))
