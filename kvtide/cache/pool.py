@@ -130,7 +130,7 @@ class ChunkPool:
 
     def free(self, offsets: np.ndarray) -> None:
         """Give back slots by their byte offsets (any layers and classes). Grouped by chunk with numpy: a compression
-        step frees tens of thousands of raw slots, one Python iteration each cost ~90 ms per step (8B shape, 65 pages)."""
+        step frees tens of thousands of raw slots; one Python iteration each cost ~90 ms a step (8B shape, 65 pages)."""
         offs = np.asarray(offsets, dtype=np.int64).ravel()
         if not offs.size:
             return

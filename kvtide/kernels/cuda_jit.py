@@ -144,7 +144,8 @@ class Kernel:
     local_bytes: int
     _module: ctypes.c_void_p = field(repr=False)
 
-    def launch(self, grid: tuple[int, int, int], block: int, args: list, stream: torch.cuda.Stream | None = None) -> None:
+    def launch(self, grid: tuple[int, int, int], block: int, args: list,
+               stream: torch.cuda.Stream | None = None) -> None:
         _ensure_context(self.device)
         cargs = []
         for a in args:

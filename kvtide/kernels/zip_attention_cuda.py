@@ -126,7 +126,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     (``min_blocks`` CTAs of ``warps`` warps per SM); with ``waves`` set, enough splits for B * Hkv * splits warps to
     fill that many waves, at least 8 pages per split."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
-        raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel (need 1..{MAX_GROUP})")
+        raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
+                         f"(need 1..{MAX_GROUP})")
     if head_dim not in _DEFAULTS:
         raise ValueError(f"the CUDA ZipFusion kernel takes head_dim {sorted(_DEFAULTS)}, got {head_dim}")
     if page_size != 16 or block_size != 512:
