@@ -1,5 +1,6 @@
-"""CUDA ZipFusion decode kernel: its rebuild arithmetic on the CPU (constants read from the .cu source), the
-kernel itself against the float64 reference on a GPU (skipped without one)."""
+"""CUDA ZipFusion decode kernel. On the CPU: its rebuild arithmetic (constants read from the .cu source) and its
+whole algorithm emulated lane by lane for loads and rebuilds, against the float64 reference. On a GPU (skipped
+without one): the kernel itself against the float64 reference."""
 from __future__ import annotations
 
 import re
@@ -104,6 +105,109 @@ def _mma_pool(kv: torch.Tensor, version: int):
     groups = zip_order.to_stored(kv.permute(0, 3, 1, 2, 4).reshape(n, hkv, 2, 16 * d), "mma", 16, d)
     e = zf.encode_groups(groups.reshape(-1, 16 * d).contiguous(), 512, version)
     return e.data, e.starts.view(n, hkv, 2), e.desc.view(n, hkv, 2, 16 * d // 512), groups
+
+
+def _lane_tile(pool: np.ndarray, start: int, dword: int, d: int, kv: int, rebuild8) -> np.ndarray:
+    """One group as the kernel's 32 lanes load and rebuild it (zip_decode.cu: load_group, block_frags), placed by the
+    m16n8k16 A-fragment table: bf16 bits [16 tokens, d]."""
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    tile = np.zeros((16, d), dtype=np.int64)
+    off = start
+    for j in range(d // 32):
+        dj = (dword >> (8 * j)) & 0xFF
+        if dj == 0xFF:  # two 16-byte loads at lane * 32
+            words = pool[off + lane[:, None] * 32 + np.arange(32)].copy().view(np.uint32).astype(np.int64)
+            off += 1024
+        else:  # 16 low bytes at lane * 16, 8 code bytes at 512 + lane * 8
+            low = pool[off + lane[:, None] * 16 + np.arange(16)].copy().view(np.uint32).astype(np.int64)
+            code = pool[off + 512 + lane[:, None] * 8 + np.arange(8)].copy().view(np.uint32).astype(np.int64)
+            args = ((dj & 0x7F) * 0x01010101, (dj & 0x7F) + 7, bool(dj & 0x80))
+            words = np.stack(rebuild8(code[:, 0], low[:, 0], low[:, 1], *args)
+                             + rebuild8(code[:, 1], low[:, 2], low[:, 3], *args), 1)
+            off += 768
+        for h in range(2):
+            ks = 2 * j + h
+            for r in range(4):
+                for half in range(2):
+                    val = (words[:, 4 * h + r] >> (16 * half)) & 0xFFFF
+                    row, col = g + 8 * (r & 1), 2 * t + half + 8 * (r >> 1)
+                    if kv == 0:
+                        tile[row, 16 * ks + col] = val  # K: tile rows are tokens
+                    else:
+                        tile[col, 16 * ks + row] = val  # V^T: tile rows are dims
+    return tile
+
+
+def _bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.astype(np.int32)).to(torch.int16).view(torch.bfloat16).float()
+
+
+def _emulate(q, pool, starts, desc, indptr, indices, last, num_splits):
+    """The CUDA kernel's algorithm on the CPU: lane loads and rebuilds as the .cu does them, fp32 scores, base-2
+    online softmax with the lazy rescale (max moves only past +8), bf16 P, fp32 accumulation, split outputs merged
+    by log-sum-exp. A check of the design and the byte layout the kernel relies on, not of the CUDA code itself."""
+    rebuild8 = _rebuild8_from_source()
+    pool_np = pool.numpy()
+    b_, hq, d = q.shape
+    hkv = starts.shape[1]
+    grp = hq // hkv
+    nb = d // 32
+    dword = (desc.to(torch.int64) << (8 * torch.arange(nb))).sum(-1)  # [P, H, 2]
+    npg = (indptr[1:] - indptr[:-1]).tolist()
+    pps = -(-max(npg) // num_splits)
+    scale = d ** -0.5 * 1.4426950408889634
+    out = torch.empty(b_, hq, d)
+    for b in range(b_):
+        kv_len = (npg[b] - 1) * 16 + int(last[b])
+        qg = q[b].float().view(hkv, grp, d)
+        for h in range(hkv):
+            parts = []
+            for split in range(num_splits):
+                pages = list(range(split * pps, min(npg[b], (split + 1) * pps)))
+                if not pages:
+                    continue
+                m, l, o = torch.full((grp,), float("-inf")), torch.zeros(grp), torch.zeros(grp, d)
+                for pi in pages:
+                    pid = int(indices[indptr[b] + pi])
+                    k = _bf16(_lane_tile(pool_np, int(starts[pid, h, 0]), int(dword[pid, h, 0]), d, 0, rebuild8))
+                    v = _bf16(_lane_tile(pool_np, int(starts[pid, h, 1]), int(dword[pid, h, 1]), d, 1, rebuild8))
+                    s = (k @ qg[h].T) * scale  # [16 tokens, grp]
+                    s[torch.arange(16) + pi * 16 >= kv_len] = float("-inf")
+                    x = s.max(0).values
+                    if bool((x > m + 8).any()):
+                        new = torch.maximum(m, x)
+                        c = torch.exp2(m - new)
+                        o, l, m = o * c[:, None], l * c, new
+                    p = torch.exp2(s - m)
+                    l = l + p.sum(0)
+                    o = o + p.bfloat16().float().T @ v
+                parts.append((o / l[:, None], m + torch.log2(l)))
+            ws = torch.stack([lse for _, lse in parts])  # [splits, grp]
+            w = torch.exp2(ws - ws.max(0).values)
+            out[b, h * grp:(h + 1) * grp] = (torch.stack([o for o, _ in parts]) * w[..., None]).sum(0) / w.sum(0)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("head_dim,group,version,splits", [(64, 4, 2, 3), (128, 8, 1, 1), (128, 1, 2, 2)])
+def test_kernel_algorithm_emulated_on_cpu_matches_float64(head_dim: int, group: int, version: int, splits: int) -> None:
+    """CI's check of the CUDA kernel without a GPU: its loads, rebuild and softmax/merge steps, emulated, against
+    the float64 reference over the same pages (mixed raw/compressed blocks, partial last pages, splits)."""
+    gen = torch.Generator().manual_seed(11 + head_dim + group)
+    hkv, lens = 2, [1, 17, 90, 160]
+    npg = [(x + 15) // 16 for x in lens]
+    kv = _pages(sum(npg) + 3, hkv, head_dim, gen)
+    pool, starts, desc, _ = _mma_pool(kv, version)
+    assert (desc == zb.RAW).any() and (desc != zb.RAW).any()
+    if version == 2:
+        assert ((desc & zb.ESCAPE != 0) & (desc != zb.RAW)).any(), "the case should hold zero-escape blocks"
+    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32)
+    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
+    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16()
+    ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
+    got = _emulate(q, pool, starts, desc, indptr, perm, last, splits)
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
 
 
 needs_cuda = pytest.mark.skipif(zc.unsupported() is not None, reason=str(zc.unsupported()))
