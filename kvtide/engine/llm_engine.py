@@ -97,9 +97,8 @@ class LLMEngine:
         if order == "auto":  # the CUDA kernel's order where it can serve this model here, else the Triton/torch one
             from ..kernels import zip_attention_cuda as zc
 
-            why = zc.unsupported(device) or zc.shape_unsupported(a.num_heads, a.num_kv_heads, a.head_dim, c.page_size,
-                                                                 c.block_size)
-            why = why or (budget > zc.MAX_POOL_BYTES and "pool beyond the CUDA kernel's reach")
+            why = zc.store_unsupported(device, a.num_heads, a.num_kv_heads, a.head_dim, c.page_size, c.block_size,
+                                       budget)
             order = "token" if why or self.config.attention_backend == "torch" else "mma"
         geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, c.page_size, c.block_size, c.format_version, order)
         return ZipPagedKV(geo, budget, device, chunk_bytes=c.chunk_bytes, private_chunks=c.private_chunks)

@@ -2,11 +2,12 @@
 
 Decode rows (sequences with one query this step) run a fused kernel straight over the pool: the CUDA one
 (:mod:`kvtide.kernels.zip_attention_cuda`) when the store keeps the "mma" value order, else the Triton one
-(:mod:`kvtide.kernels.zip_attention`, "token" order). Either reads the pool and the layer's group tables: compressed blocks are rebuilt in registers, the page being
-written is a raw group (descriptors 0xFF) read as it is, and no decompressed copy of the cache is ever made.
-Rows the kernel does not do (prefill chunks: more than one query) go through decompress-then-attend
-(:mod:`.zip_backend`) for just those sequences. The step's new K/V are written into the pool first, for all
-rows, so both paths read the same bytes. The kernel is planned once per step and run once per layer.
+(:mod:`kvtide.kernels.zip_attention`, "token" order). Either reads the pool and the layer's group tables:
+compressed blocks are rebuilt in registers, the page being written is a raw group (descriptors 0xFF) read as it
+is, and no decompressed copy of the cache is ever made. Rows the kernel does not do (prefill chunks: more than
+one query) go through decompress-then-attend (:mod:`.zip_backend`) for just those sequences. The step's new K/V
+are written into the pool first, for all rows, so both paths read the same bytes. The kernel is planned once per
+step and run once per layer.
 """
 from __future__ import annotations
 
@@ -32,10 +33,8 @@ def fused_unsupported(store: ZipPagedKV, num_heads: int, num_kv_heads: int, head
     if store.geo.value_order == "mma":
         from ..kernels import zip_attention_cuda as zc
 
-        why = zc.unsupported(store.device) or zc.shape_unsupported(num_heads, num_kv_heads, head_dim, page_size,
-                                                                   store.block_size)
-        if why is None and store.pool.numel() > zc.MAX_POOL_BYTES:
-            why = f"its pool ({store.pool.numel() >> 30} GiB) is beyond the kernel's {zc.MAX_POOL_BYTES >> 30} GiB reach"
+        why = zc.store_unsupported(store.device, num_heads, num_kv_heads, head_dim, page_size, store.block_size,
+                                   store.pool.numel())
         return None if why is None else (f"attention_backend 'zip' over a store in the 'mma' value order runs the "
                                          f"CUDA kernel: {why}; use CacheConfig.value_order='token' (Triton kernel) "
                                          f"or attention_backend='torch'")
@@ -66,8 +65,12 @@ class ZipFusedAttention(AttentionBackend):
         super().__init__([], num_heads, head_dim)
         if store.geo.value_order == "mma":
             from ..kernels import zip_attention_cuda as kernel
+
+            self._run = kernel.run
         else:
             from ..kernels import zip_attention as kernel
+
+            self._run = kernel.run_zip
         self.kernel = kernel
         self.store = store
         self.num_kv_heads = num_kv_heads
@@ -105,11 +108,7 @@ class ZipFusedAttention(AttentionBackend):
         """The kernel takes contiguous bf16 [B, Hq, D]; the model may compute in fp32 (CPU)."""
         dtype, q = q.dtype, q.to(torch.bfloat16).contiguous()
         st = self.store
-        if self.kernel.__name__.endswith("_cuda"):
-            out = self.kernel.run(self.kplan, q, st.pool, st.group_start[layer], st.group_desc[layer])
-        else:
-            out = self.kernel.run_zip(self.kplan, q, st.pool, st.group_start[layer], st.group_desc[layer])
-        return out.to(dtype)
+        return self._run(self.kplan, q, st.pool, st.group_start[layer], st.group_desc[layer]).to(dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with record_function("kvtide.zip_write"):

@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .page_table import sequence_lengths
+
 LOG2E = 1.4426950408889634
 
 
@@ -520,14 +522,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     if num_warps < 1 or num_stages < 1:
         raise ValueError(f"num_warps and num_stages must be >= 1, got {num_warps}, {num_stages}")
     dev = torch.device(device) if device is not None else kv_indices.device
-    indptr_h = kv_indptr.to("cpu", torch.int64)
-    last_h = kv_last_page_len.to("cpu", torch.int64)
-    npages = indptr_h[1:] - indptr_h[:-1]
-    if bool((npages < 1).any()) or bool((last_h < 1).any()) or bool((last_h > page_size).any()):
-        raise ValueError("every sequence needs at least one page and 1 <= last_page_len <= page_size")
-    kv_lens = (npages - 1) * page_size + last_h
-    batch = int(npages.numel())
-    max_pages = int(npages.max())
+    seqs = sequence_lengths(kv_indptr, kv_last_page_len, page_size)
+    batch, max_pages = seqs.batch, seqs.max_pages
     if tile is None:
         tile = dflt["tile"] if head_dim <= 128 else min(dflt["tile"], 32)
     tile = max(tile, page_size)
@@ -542,8 +538,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     pages_per_split = math.ceil(max_pages / num_splits / ppt) * ppt
     num_splits = math.ceil(max_pages / pages_per_split)
     p = DecodePlan(
-        indptr=indptr_h.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
-        kv_lens=kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        indptr=seqs.indptr.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
+        kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, block_size=block_size, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, tile=tile, num_warps=num_warps, num_stages=num_stages,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, mode=mode, prefetch=prefetch, trans=trans,

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import cuda_jit
+from .page_table import sequence_lengths
 
 SOURCE = Path(__file__).with_name("cuda") / "zip_decode.cu"
 LOG2E = 1.4426950408889634
@@ -68,6 +69,15 @@ def unsupported(device: torch.device | str | None = None) -> str | None:
     except cuda_jit.CudaJitError as e:
         return str(e)
     return None
+
+
+def store_unsupported(device: torch.device | str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                      page_size: int, block_size: int, pool_bytes: int) -> str | None:
+    """Why the kernel cannot serve a pool of ``pool_bytes`` with this shape on ``device`` (None when it can)."""
+    why = unsupported(device) or shape_unsupported(num_qo_heads, num_kv_heads, head_dim, page_size, block_size)
+    if why is None and pool_bytes > MAX_POOL_BYTES:
+        why = f"a pool of {pool_bytes >> 30} GiB is beyond the kernel's {MAX_POOL_BYTES >> 30} GiB reach"
+    return why
 
 
 def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
@@ -142,13 +152,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     if not 1 <= warps <= 32 or min_blocks < 1 or (waves is not None and waves <= 0):
         raise ValueError(f"bad launch shape: warps {warps}, min_blocks {min_blocks}, waves {waves}")
     dev = torch.device(device) if device is not None else kv_indices.device
-    indptr_h = kv_indptr.to("cpu", torch.int64)
-    last_h = kv_last_page_len.to("cpu", torch.int64)
-    npages = indptr_h[1:] - indptr_h[:-1]
-    if bool((npages < 1).any()) or bool((last_h < 1).any()) or bool((last_h > page_size).any()):
-        raise ValueError("every sequence needs at least one page and 1 <= last_page_len <= page_size")
-    batch = int(npages.numel())
-    max_pages = int(npages.max())
+    seqs = sequence_lengths(kv_indptr, kv_last_page_len, page_size)
+    batch, max_pages = seqs.batch, seqs.max_pages
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         if waves is None:
@@ -160,8 +165,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     pages_per_split = math.ceil(max_pages / num_splits)
     num_splits = math.ceil(max_pages / pages_per_split)
     p = CudaDecodePlan(
-        indptr=indptr_h.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
-        kv_lens=((npages - 1) * page_size + last_h).to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
+        indptr=seqs.indptr.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
+        kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
@@ -220,4 +225,5 @@ def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return pool, starts, desc
 
 
-__all__ = ["CudaDecodePlan", "plan", "run", "check_tables", "raw_pool", "unsupported"]
+__all__ = ["CudaDecodePlan", "plan", "run", "check_tables", "raw_pool", "unsupported", "shape_unsupported",
+           "store_unsupported"]
