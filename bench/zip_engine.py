@@ -24,6 +24,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,12 +103,54 @@ def prompt(i: int, context: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
 
 
-def drain(eng: LLMEngine, proxy: RealKV | None, sync, batch: int) -> tuple[list[float], int]:
+def page_events(eng: LLMEngine) -> tuple[int, int]:
+    """(pages compressed, pages ever taken): a step that changes either did page work (allocation, compression)."""
+    if eng.store is None:
+        return 0, len(eng.block_manager.free)
+    return eng.store.counters["pages_compressed"], len(eng.block_manager.unused)
+
+
+class HostClock:
+    """Seconds the current step spends in the scheduler and in the store's compress (host time, device synced
+    inside compress only where it syncs itself): where page steps' extra time goes."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        self.spent = {"schedule": 0.0, "compress": 0.0}
+        self._wrap(eng.scheduler, "schedule")
+        if eng.store is not None:
+            self._wrap(eng.store, "compress")
+
+    def _wrap(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed_call(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.spent[name] += time.perf_counter() - t
+
+        setattr(obj, name, timed_call)
+
+    def take(self) -> dict[str, float]:
+        out, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
+        return out
+
+
+def drain(eng: LLMEngine, proxy: RealKV | None, sync, batch: int, page_steps: list[float] | None = None,
+          skip_first: bool = False, host: list[tuple[bool, dict]] | None = None) -> tuple[list[float], int]:
     """Step until idle; real-model KV only in steps that carry prefill. Times of the steps where all `batch`
-    sequences decode (and nothing else runs), and the number of steps."""
+    sequences decode (and nothing else runs), and the number of steps. ``page_steps`` collects the times of
+    those of them that also allocated or compressed pages (every 16th step when the batch runs in lockstep);
+    ``skip_first`` leaves the first such step untimed (CUDA graph capture and kernel JIT happen there); ``host``
+    gets (page step?, HostClock seconds) of each timed step."""
     inner = eng.runner.attention if proxy is None else proxy.inner
+    clock = getattr(eng, "_bench_clock", None) or HostClock(eng)
+    eng._bench_clock = clock
     times, steps = [], 0
     while eng.has_unfinished():
+        ev0 = page_events(eng)
+        clock.take()
         s = eng.scheduler
         prefill = bool(s.waiting) or any(q.num_computed_tokens < q.num_prompt_tokens for q in s.running)
         eng.runner.attention = proxy if (proxy is not None and prefill) else inner
@@ -117,8 +160,17 @@ def drain(eng: LLMEngine, proxy: RealKV | None, sync, batch: int) -> tuple[list[
         sync()
         dt = time.perf_counter() - t0
         n_prefill, n_decode, _ = eng.stats.last_step
+        spent = clock.take()
         if n_prefill == 0 and n_decode == batch:
-            times.append(dt)
+            if skip_first:
+                skip_first = False
+            else:
+                times.append(dt)
+                paged = page_events(eng) != ev0
+                if page_steps is not None and paged:
+                    page_steps.append(dt)
+                if host is not None:
+                    host.append((paged, spent))
         steps += 1
     eng.runner.attention = inner
     return times, steps
@@ -137,16 +189,29 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
     warm_s = warm(eng, prompts, proxy, sync)
     b = len(prompts)
     pre0, k0 = eng.scheduler.num_preemptions, dict(getattr(eng.runner.attention, "counts", {}))
-    for p in prompts:
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    times, n = drain(eng, proxy, sync, b)
+    for p in prompts:  # + 2: the prefill's token, an untimed first decode step (graph capture, JIT), `steps` timed
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    page_steps: list[float] = []
+    host: list[tuple[bool, dict]] = []
+    times, n = drain(eng, proxy, sync, b, page_steps, skip_first=True, host=host)
     k1 = getattr(eng.runner.attention, "counts", {})
     if not times:
         return {"batch": b, "error": "no step decoded the whole batch", "preemptions": eng.scheduler.num_preemptions - pre0}
     med = sorted(times)[len(times) // 2]
+    plain = list(times)
+    for t in page_steps:
+        plain.remove(t)
     return {
         "batch": b, "decode_steps_timed": len(times), "steps_total": n, "warm_prefill_seconds": warm_s,
         "median_step_ms": med * 1e3, "mean_step_ms": sum(times) / len(times) * 1e3,
+        "untimed_first_decode_step": True,
+        "page_steps": len(page_steps),
+        "host_ms_mean": {kind: {part: statistics.mean(h[part] for paged, h in host if paged == want) * 1e3
+                                for part in ("schedule", "compress")}
+                         for kind, want in (("page_steps", True), ("plain_steps", False))
+                         if any(paged == want for paged, _ in host)},
+        "page_step_median_ms": statistics.median(page_steps) * 1e3 if page_steps else None,
+        "plain_step_mean_ms": statistics.mean(plain) * 1e3 if plain else None,
         "tokens_per_s": b * len(times) / sum(times), "preemptions": eng.scheduler.num_preemptions - pre0,
         **({"kernel_seqs": k1["kernel_seqs"] - k0["kernel_seqs"], "fallback_seqs": k1["fallback_seqs"] - k0["fallback_seqs"]}
            if k1 else {}),
@@ -190,8 +255,9 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
     for e in ev:
         if e.key.startswith("kvtide."):
             ranges[e.key] = max(ranges.get(e.key, 0.0), e.cpu_time_total / 1e3 / steps)
+    busy = sum((getattr(e, "self_device_time_total", 0) or 0) for e in ev) / 1e3 / steps
     return {"batch": len(prompts), "steps": steps, "wall_ms_per_step_profiled": wall / steps * 1e3,
-            "host_ms_per_step_by_phase": ranges,
+            "device_busy_ms_per_step": busy, "host_ms_per_step_by_phase": ranges,
             "top_self_cpu": top("self_cpu_time_total"), "top_device": top("self_device_time_total")}
 
 
@@ -261,14 +327,20 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             b = largest = max(1, b - max(1, b // 50))
         runs[str(b)] = r
         print(f"  {label:>12} batch {b:>3}: {r.get('median_step_ms', float('nan')):8.2f} ms/step "
-              f"{r.get('tokens_per_s', float('nan')):9.0f} tok/s  preemptions {r.get('preemptions')}", flush=True)
+              f"{r.get('tokens_per_s', float('nan')):9.0f} tok/s  preemptions {r.get('preemptions')}; "
+              f"mean {r.get('mean_step_ms', float('nan')):.2f} ms, plain steps {r.get('plain_step_mean_ms') or 0:.2f}, "
+              f"{r.get('page_steps')} page steps {r.get('page_step_median_ms') or 0:.2f}; host ms "
+              f"{ {k: {p: round(x, 2) for p, x in v.items()} for k, v in r.get('host_ms_mean', {}).items()} }",
+              flush=True)
     out["largest_batch"] = largest
     out["runs"] = runs
     if a.profile_steps:
-        pb = min(want)
+        pb = {"smallest": min(want), "largest": largest}.get(a.profile_batch) or int(a.profile_batch)
         out["profile"] = profile_decode(eng, [prompt(i, a.context, vocab) for i in range(pb)], a.profile_steps, proxy,
                                         sync)
-        print(f"  {label:>12} profile (batch {pb}): {out['profile']['wall_ms_per_step_profiled']:.1f} ms/step; phases "
+        print(f"  {label:>12} profile (batch {pb}): {out['profile']['wall_ms_per_step_profiled']:.1f} ms/step, device "
+              f"busy {out['profile']['device_busy_ms_per_step']:.1f}; top kernels "
+              f"{[(r['name'][:40], round(r['device_ms'] / a.profile_steps, 2)) for r in out['profile']['top_device'][:8]]}; phases "
               f"{ {k: round(v, 2) for k, v in out['profile']['host_ms_per_step_by_phase'].items()} }; top "
               f"host ops: {[(r['name'], round(r['self_cpu_ms'] / a.profile_steps, 2)) for r in out['profile']['top_self_cpu'][:6]]}",
               flush=True)
@@ -324,7 +396,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs for every backend (decode steps)")
     ap.add_argument("--profile-steps", type=int, default=0,
-                    help="after the timed runs, profile this many decode steps at each backend's smallest batch")
+                    help="after the timed runs, profile this many decode steps (17 include a page step)")
+    ap.add_argument("--profile-batch", default="smallest", help="batch to profile: smallest, largest or a number")
+    ap.add_argument("--only", default="baseline,zip,decompress",
+                    help="which of baseline, zip, decompress to run (comma list; ratios need baseline and zip)")
     ap.add_argument("--zip-options", default=None,
                     help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
                          "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
@@ -381,12 +456,19 @@ def main() -> None:
 
     print(f"KV budget {budget / 2**30:.2f} GiB; model {a.model_name} (random weights)", flush=True)
     zip_name = "zip"
-    res["backends"] = {
-        a.baseline: run_backend(a.baseline, a.baseline, False, a, budget, batches, bank, a.steps, sync),
-        zip_name: run_backend(zip_name, "zip", True, a, budget, batches, bank, a.steps, sync),
-        f"decompress+{a.baseline}": run_backend("decompress", a.baseline, True, a, budget, None, bank, a.ref_steps, sync),
-    }
-    base, z = res["backends"][a.baseline], res["backends"][zip_name]
+    only = set(a.only.split(","))
+    if only - {"baseline", "zip", "decompress"}:
+        sys.exit(f"--only: unknown part(s) {sorted(only - {'baseline', 'zip', 'decompress'})}")
+    res["setup"]["only"] = sorted(only)
+    res["backends"] = {}
+    if "baseline" in only:
+        res["backends"][a.baseline] = run_backend(a.baseline, a.baseline, False, a, budget, batches, bank, a.steps, sync)
+    if "zip" in only:
+        res["backends"][zip_name] = run_backend(zip_name, "zip", True, a, budget, batches, bank, a.steps, sync)
+    if "decompress" in only:
+        res["backends"][f"decompress+{a.baseline}"] = run_backend("decompress", a.baseline, True, a, budget, None,
+                                                                  bank, a.ref_steps, sync)
+    base, z = res["backends"].get(a.baseline, {}), res["backends"].get(zip_name, {})
     ratios = {"equal_batch": {}, "largest_batch": None}
     for b in batches:
         x, y = tokens_per_s(z, b), tokens_per_s(base, b)

@@ -110,9 +110,15 @@ class ChunkPool:
         got = 0
         size = self.geo.slot_bytes(k)
         cb = self.geo.chunk_bytes
+        chunks = self.open[layer][k]
+        # Fullest open chunks first (ties in set order), then new chunks. Sorted once: a chunk is visited at most
+        # once per call (it fills up or the request is met), so this is the order re-picking the fullest gives.
+        cand = np.fromiter(chunks, dtype=np.int64, count=len(chunks))
+        queue = iter(cand[np.argsort(-self.used[cand], kind="stable")].tolist())
         while got < count:
-            chunks = self.open[layer][k]
-            c = max(chunks, key=lambda i: self.used[i]) if chunks else self._take_chunk(layer, k)
+            c = next(queue, None)
+            if c is None:
+                c = self._take_chunk(layer, k)
             if c is None:
                 break
             free = self.slot_free[c]

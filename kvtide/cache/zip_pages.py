@@ -117,6 +117,11 @@ class ZipPagedKV:
                                             geo.block_size, chunk_bytes, num_chunks, private_chunks))
         self.pool = torch.zeros(num_chunks * chunk_bytes, dtype=torch.uint8, device=self.device)
         self._pool16 = self.pool.view(torch.int16)
+        # Raw slots start on raw-group boundaries when a chunk holds a whole number of them (auto_chunk_bytes
+        # makes it so): raw groups are then rows of this view, zeroed and staged by row index (one index per
+        # 2 * page_size * head_dim bytes instead of one per value: a 65-page step built a 545 MB index twice).
+        rb = geo.raw_group_bytes
+        self._raw_rows = self.pool.view(-1, rb) if chunk_bytes % rb == 0 else None
         # Page ids: enough for a pool full of fully compressed pages.
         min_page = geo.num_layers * geo.groups_per_page * geo.blocks_per_group * zb.compressed_nbytes(geo.block_size)
         self.num_page_ids = max(1, self.pool.numel() // min_page)
@@ -126,6 +131,7 @@ class ZipPagedKV:
         self.group_start = list(self.group_start_all.unbind(0))
         self.group_desc = list(self.group_desc_all.unbind(0))
         self._starts_host = np.zeros(shape, dtype=np.int64)  # mirror, for freeing without a device sync
+        self._class_host = np.zeros(shape, dtype=np.int8)  # compressed blocks per group, for statistics
         self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
         self._value_idx = torch.arange(geo.group_values, device=self.device)
         self._mma = geo.value_order != "token"
@@ -170,7 +176,7 @@ class ZipPagedKV:
         self.group_desc_all[:, idx] = zb.RAW
         # Zero the new raw groups: slots hold a previous owner's bytes (compressed codes read as BF16 can be
         # NaN), and readers that load whole pages mask the unwritten tail, which 0 * NaN would defeat.
-        self._pool16[((starts // 2)[..., None] + self._value_idx).reshape(-1)] = 0
+        self._raw_groups(starts, zero=True)
         self.state[pids] = RAW
 
     def release_pages(self, pids: list[int]) -> None:
@@ -231,52 +237,82 @@ class ZipPagedKV:
         idx = torch.tensor(pids, dtype=torch.long, device=self.device)
         old = self.group_start_all[:, idx]  # [L, n, H, 2]
         # Staging copy of the raw groups: pack may then write anywhere, the groups' own slots included.
-        src = self._pool16[(old // 2)[..., None] + self._value_idx]  # [L, n, H, 2, PD]
+        src = self._raw_groups(old)  # [L, n, H, 2, PD]
         blocks = src.reshape(-1, bsz)
         desc = self._analyze(blocks).view(*old.shape, nb)
         ncomp = (desc != zb.RAW).sum(-1)  # class of each group
-        cls = ncomp.cpu().numpy()
+        cls = ncomp.cpu().numpy()  # the step's one device sync: placement needs the classes on the host
         old_h = self._starts_host[:, pids]
         new_h = old_h.copy()
         for layer in range(g.num_layers):
             self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1), new_h[layer].reshape(-1))
         new = torch.from_numpy(new_h).to(self.device)
-        packed = torch.from_numpy(cls > 0).to(self.device)
-        if bool(packed.any()):
+        if cls.any():
+            packed = torch.from_numpy(cls > 0).to(self.device)
             pdesc = desc[packed]  # [m, nb]
             offsets = zb.offsets_from_starts(new[packed], pdesc, bsz)
             self._pack(src[packed].reshape(-1, bsz), pdesc, offsets)
         self.group_start_all[:, idx] = new
         self.group_desc_all[:, idx] = desc
         self._starts_host[:, pids] = new_h
+        self._class_host[:, pids] = cls
         self.state[pids] = COMPRESSED
         self.counters["pages_compressed"] += len(pids)
         self._count_stored(pids, +1)
 
+    def _raw_groups(self, starts: torch.Tensor, zero: bool = False) -> torch.Tensor | None:
+        """int16 values [*starts.shape, page_size * head_dim] of the raw groups at byte offsets ``starts`` (a copy),
+        or with ``zero`` set them to +0.0 instead."""
+        if self._raw_rows is not None:
+            rows = (starts // self.geo.raw_group_bytes).reshape(-1)
+            if zero:
+                self._raw_rows.index_fill_(0, rows, 0)
+                return None
+            return self._raw_rows.index_select(0, rows).view(torch.int16).view(*starts.shape, -1)
+        idx = (starts // 2)[..., None] + self._value_idx
+        if zero:
+            self._pool16[idx.reshape(-1)] = 0
+            return None
+        return self._pool16[idx]
+
     def _place(self, layer: int, cls: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
         """Destinations for one layer's groups of class ``cls`` now at ``old``, written into ``new`` (a view).
 
-        Groups go raw chunk by raw chunk, and each raw slot is freed as soon as its group has a destination,
-        so a chunk emptied by one batch can take the next batch's compressed groups: a nearly full pool still
-        compresses. The data is safe meanwhile: every source is already in the staging copy.
+        First one allocation per class for all the groups; if the pool runs short, the rest go raw chunk by raw
+        chunk, and each raw slot is freed as soon as its group has a destination, so a chunk emptied by one batch
+        can take the next batch's compressed groups: a nearly full pool still compresses. The data is safe
+        meanwhile: every source is already in the staging copy.
         """
         todo = np.nonzero(cls > 0)[0]
         if not len(todo):
             return
+        placed = []
+        for k in np.unique(cls[todo]).tolist():
+            sel = todo[cls[todo] == k]
+            offs = self.alloc.alloc(layer, k, len(sel))
+            new[sel[: len(offs)]] = offs
+            placed.append(sel[: len(offs)])
+        placed = np.concatenate(placed)
+        self.alloc.free(old[placed])
+        if len(placed) == len(todo):
+            return
+        todo = np.setdiff1d(todo, placed)
         chunk = old[todo] // self.alloc.geo.chunk_bytes
         todo = todo[np.argsort(chunk, kind="stable")]
         cuts = np.nonzero(np.diff(np.sort(chunk)))[0] + 1
         for seg in np.split(todo, cuts):
+            placed = []
             for k in np.unique(cls[seg]).tolist():
                 sel = seg[cls[seg] == k]
                 offs = self.alloc.alloc(layer, k, len(sel))
                 got = sel[: len(offs)]
                 new[got] = offs
-                self.alloc.free(old[got])
+                placed.append(got)
                 if len(offs) < len(sel):  # no destination left: compress in place (the raw slot keeps its size)
                     n = len(sel) - len(offs)
                     self.counters["groups_in_place"] += n
                     self.counters["in_place_waste_bytes"] += n * (self.geo.raw_group_bytes - self.alloc.geo.slot_bytes(k))
+            self.alloc.free(old[np.concatenate(placed)])  # the segment's raw chunk may empty for the next one
 
     def _analyze(self, blocks: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -296,11 +332,11 @@ class ZipPagedKV:
 
     # ---- statistics ------------------------------------------------------------------------------
     def _count_stored(self, pids: list[int], sign: int) -> None:
-        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
-        sizes = zb.block_sizes(self.group_desc_all[:, idx], self.geo.block_size)  # [L, n, H, 2, nb]
-        per_kind = sizes.sum(dim=(0, 1, 2, 4)).tolist()
+        """From the host mirror of group classes: no device sync (a group of class k stores k blocks compressed)."""
+        ncomp = self._class_host[:, pids].sum(axis=(0, 1, 2), dtype=np.int64)  # compressed blocks, [K, V]
         raw = len(pids) * self.geo.num_layers * self.geo.num_kv_heads * self.geo.raw_group_bytes
-        for kind, stored in zip("kv", per_kind):
+        per_kind = raw - ncomp * (zb.raw_nbytes(self.geo.block_size) - zb.compressed_nbytes(self.geo.block_size))
+        for kind, stored in zip("kv", per_kind.tolist()):
             self.counters[f"{kind}_stored_bytes"] += sign * int(stored)
             self.counters[f"{kind}_raw_bytes"] += sign * raw
 

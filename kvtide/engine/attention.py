@@ -25,6 +25,7 @@ class BatchLayout:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor  # [T] page * page_size + offset for each new token
     page_size: int
+    page_arrays: list[np.ndarray] | None = None  # block_tables as int32 arrays (PageArrays), when the caller has them
 
     @property
     def q_starts(self) -> list[int]:
@@ -48,10 +49,41 @@ class BatchLayout:
         used = -(-kv // p)
         indptr = np.zeros(used.size + 1, dtype=np.int32)
         np.cumsum(used, out=indptr[1:])
-        tables = (self.block_tables[i][:n] for i, n in zip(rows, used.tolist()))
-        indices = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(indptr[-1]))
+        if self.page_arrays is not None:
+            parts = [self.page_arrays[i][:n] for i, n in zip(rows, used.tolist())]
+            indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        else:
+            tables = (self.block_tables[i][:n] for i, n in zip(rows, used.tolist()))
+            indices = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(indptr[-1]))
         last = (kv - (used - 1) * p).astype(np.int32)
         return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last)
+
+
+class PageArrays:
+    """int32 copies of block tables, kept between steps and extended as the lists grow: a decode step's page table
+    is then one concatenate instead of a walk over every page id (65 x 520 pages: 0.8 ms per step on the CPU).
+
+    Relies on the engine's block tables being append-only lists (``Sequence.pages`` only grows; a sequence that
+    loses its pages gets a new list): an entry is reused only for the same list object, and only its first
+    ``len(array)`` ids, which such a list never changes."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[list[int], np.ndarray]] = {}
+
+    def __call__(self, tables: list[list[int]]) -> list[np.ndarray]:
+        cache, out = {}, []
+        for t in tables:
+            hit = self._cache.get(id(t))
+            if hit is None or hit[0] is not t or len(hit[1]) > len(t):
+                arr = np.array(t, dtype=np.int32)
+            elif len(hit[1]) < len(t):
+                arr = np.concatenate([hit[1], np.array(t[len(hit[1]):], dtype=np.int32)])
+            else:
+                arr = hit[1]
+            cache[id(t)] = (t, arr)  # holding the list keeps its id from being reused by another
+            out.append(arr)
+        self._cache = cache  # only this step's tables: finished sequences' lists are let go
+        return out
 
 
 class AttentionBackend:

@@ -89,16 +89,20 @@ class BlockManager:
         return self._make_room(fresh + reserve, reserve=True, keep=set(hits))
 
     def _make_room(self, pages: int, reserve: bool, keep: set[int] = frozenset()) -> bool:
-        while self.store.free_pages(reserve) < pages:
-            victim = next((pid for pid in self.free if pid not in keep), None)
-            if victim is None:
+        """Evict cached pages, least recently used first, until ``pages`` new pages fit. As many victims at a
+        time as pages are missing (a compressed page frees at most about one raw page's room), so a full pool
+        asks the store's capacity a few times per step instead of once per victim."""
+        while (short := pages - self.store.free_pages(reserve)) > 0:
+            victims = list(islice((pid for pid in self.free if pid not in keep), short))
+            if not victims:
                 return False
-            self._evicting([victim])
-            del self.free[victim]
-            self._forget(victim)
-            self.store.release_pages([victim])
-            self.unused.append(victim)
-            self.stats["evictions"] += 1
+            self._evicting(victims)
+            for pid in victims:
+                del self.free[pid]
+                self._forget(pid)
+            self.store.release_pages(victims)
+            self.unused.extend(victims)
+            self.stats["evictions"] += len(victims)
         return True
 
     def evict_cached(self) -> int:
@@ -197,6 +201,34 @@ class BlockManager:
             seq.pages.append(pid)
         return True
 
+    def allocate_all(self, items: list[tuple[Sequence, int]]) -> bool:
+        """Grow every (seq, num_tokens) at once if all of it fits, else change nothing and return False.
+
+        Decode sequences run in lockstep, so every 16th step each needs one page: one capacity check and one
+        ``alloc_pages`` for all of them (store mode) instead of one per sequence, which cost ~0.7 ms each on the
+        host (32 layers' slot allocation, a capacity search, ~6 device ops)."""
+        needs = [self.pages_needed(seq, n) for seq, n in items]
+        total = sum(needs)
+        if not total:
+            return True
+        if self.store is None:
+            if total > len(self.free):
+                return False
+            for seq, n in items:
+                self.allocate(seq, n)
+            return True
+        if not self._make_room(total, reserve=False):
+            return False
+        pids = [self.unused.popleft() for _ in range(total)]
+        self.store.alloc_pages(pids)
+        it = iter(pids)
+        for (seq, _), need in zip(items, needs):
+            new = [next(it) for _ in range(need)]
+            for pid in new:
+                self.ref_count[pid] = 1
+            seq.pages.extend(new)
+        return True
+
     def commit(self, seq: Sequence) -> None:
         """Register pages that are now full and computed, so later requests can reuse them."""
         if not self.enable_prefix_caching:
@@ -205,10 +237,9 @@ class BlockManager:
         full = seq.num_computed_tokens // self.page_size
         if len(hashes) >= full:
             return
-        ids = seq.token_ids
         parent = hashes[-1] if hashes else ROOT_HASH
         for i in range(len(hashes), full):
-            toks = tuple(ids[i * self.page_size:(i + 1) * self.page_size])
+            toks = tuple(seq.tokens(i * self.page_size, (i + 1) * self.page_size))
             parent = page_hash(parent, toks)
             hashes.append(parent)
             pid = seq.pages[i]

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from ..cache.zip_pages import ZipGeometry, ZipPagedKV
 from ..config import EngineConfig
@@ -170,7 +171,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns an output for every request that made visible progress."""
         restored = self.restorer.step() if self.restorer is not None else []
-        plan = self.scheduler.schedule()
+        with record_function("kvtide.schedule"):
+            plan = self.scheduler.schedule()
         if not plan.batch:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
@@ -194,14 +196,15 @@ class LLMEngine:
         outputs = []
         it = iter(tokens)
         now = time.perf_counter()
-        for seq, n in plan.batch:
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prefill chunk that does not reach the end samples nothing
-            out = self._append_token(seq, next(it), now)
-            if out is not None:
-                outputs.append(out)
+        with record_function("kvtide.postprocess"):
+            for seq, n in plan.batch:
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue  # a prefill chunk that does not reach the end samples nothing
+                out = self._append_token(seq, next(it), now)
+                if out is not None:
+                    outputs.append(out)
         return restored + outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:

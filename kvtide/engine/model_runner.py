@@ -6,7 +6,7 @@ from torch.profiler import record_function
 
 from ..cache.zip_pages import ZipPagedKV
 from ..models.llama import CausalLM
-from .attention import BatchLayout, make_backend
+from .attention import BatchLayout, PageArrays, make_backend
 from .cuda_graphs import DecodeGraphs
 from .zip_backend import make_zip_backend
 from .sampler import sample
@@ -24,6 +24,7 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.store = store
+        self.page_arrays = PageArrays()  # block tables as arrays, extended step to step
         # decode-only steps replay the model between attention calls as CUDA graphs (kvtide/engine/cuda_graphs.py)
         self.graphs = DecodeGraphs(model, self.device) if cuda_graphs else None
         if store is not None:
@@ -51,8 +52,7 @@ class ModelRunner:
         slots: list[int] = []
         for seq, n in batch:
             start = seq.num_computed_tokens
-            toks = seq.token_ids
-            ids.extend(toks[start:start + n])
+            ids.extend(seq.tokens(start, start + n))
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(seq.pages[pos // p] * p + pos % p)
@@ -62,6 +62,7 @@ class ModelRunner:
             block_tables=[seq.pages for seq, _ in batch],
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             page_size=p,
+            page_arrays=self.page_arrays([seq.pages for seq, _ in batch]),
         )
         return layout, ids, positions
 

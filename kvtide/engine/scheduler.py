@@ -44,6 +44,19 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         i = 0
+        # Fast path: when every running sequence's next chunk fits, allocate them all at once.
+        grow = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            grow.append((seq, n))
+            budget -= n
+        if self.bm.allocate_all([(seq, seq.num_computed_tokens + n) for seq, n in grow]):
+            plan.batch.extend(grow)
+            i = len(grow)
+        else:
+            budget = self.config.max_num_batched_tokens
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

@@ -105,6 +105,38 @@ def test_compression_finishes_in_place_when_no_destination_is_free():
     assert store.free_pages(reserve=False) == 2
 
 
+def stored_bytes_from_descriptors(store: ZipPagedKV, pids: list[int]) -> list[int]:
+    """K and V bytes the held groups take, read from the device descriptors (what the counters must equal)."""
+    sizes = zb.block_sizes(store.group_desc_all[:, torch.tensor(pids)], store.block_size)
+    return sizes.sum(dim=(0, 1, 2, 4)).tolist()
+
+
+@pytest.mark.parametrize("tail", [0, 768], ids=["raw-aligned-chunks", "chunks-with-a-tail"])
+@pytest.mark.parametrize("spare_chunks", [0, 1, 3, 12])
+def test_compress_in_a_tight_pool_is_exact_and_counts_what_it_stores(spare_chunks, tail):
+    """From no room at all (in place) through partly short (one allocation per class falls short, the rest go
+    chunk by chunk) to roomy: bytes exact, the stored-byte counters equal the descriptors, nothing leaks. Chunks
+    with a tail (not a whole number of raw groups) take the per-value path for zeroing and staging raw groups."""
+    chunk = GEO.raw_group_bytes * 4 + tail
+    store = ZipPagedKV(GEO, GEO.num_layers * chunk * 4 + spare_chunks * chunk, chunk_bytes=chunk, private_chunks=2)
+    assert (store._raw_rows is None) == bool(tail)
+    pids = list(range(store.free_pages(reserve=False)))
+    written = {}
+    for first in range(0, len(pids), 2):  # two pages per round, as filled pages arrive in decode
+        batch = pids[first:first + 2]
+        written[first] = (batch, fill(store, batch, seed=first))
+        store.compress(batch)
+    for batch, w in written.values():
+        assert_exact(store, batch, w)
+    k, v = stored_bytes_from_descriptors(store, pids)
+    assert (store.counters["k_stored_bytes"], store.counters["v_stored_bytes"]) == (k, v)
+    store.release_pages(pids[::2])
+    k, v = stored_bytes_from_descriptors(store, pids[1::2])
+    assert (store.counters["k_stored_bytes"], store.counters["v_stored_bytes"]) == (k, v)
+    store.release_pages(pids[1::2])
+    assert store.alloc.stats()["chunks_owned"] == 0 and store.counters["k_stored_bytes"] == 0
+
+
 def test_emptied_chunk_returns_to_shared_list_and_serves_another_layer():
     geo = PoolGeometry(num_layers=2, groups_per_page=4, blocks_per_group=2, block_size=512, chunk_bytes=4 * 2048,
                        num_chunks=3, private_chunks=0)
@@ -207,3 +239,16 @@ def test_pool_free_in_bulk_equals_one_by_one() -> None:
     for layer in range(2):
         for k in (0, 1, 2):
             assert np.array_equal(a.alloc(layer, k, 5), b.alloc(layer, k, 5))
+
+
+@pytest.mark.parametrize("tail", [0, 768], ids=["raw-aligned-chunks", "chunks-with-a-tail"])
+def test_new_pages_read_as_zeros_in_slots_a_previous_page_used(tail):
+    chunk = GEO.raw_group_bytes * 4 + tail
+    store = ZipPagedKV(GEO, GEO.num_layers * chunk * 3, chunk_bytes=chunk, private_chunks=3)
+    fill(store, [0, 1], seed=3)
+    store.release_pages([0, 1])
+    store.alloc_pages([2, 3])
+    assert set(store._starts_host[:, [2, 3]].ravel().tolist()) & set(range(0, store.pool.numel(), chunk)), \
+        "expected the new pages to reuse slots"
+    for layer in range(GEO.num_layers):
+        assert (store.read_pages(layer, torch.tensor([2, 3])).view(torch.int16) == 0).all()

@@ -264,7 +264,8 @@ def test_groups_and_custom_placement() -> None:
 
 
 def test_nbytes_accounting() -> None:
-    good = torch.randn(512).bfloat16()
+    # exponents within 2 of each other: always compressible (randn could, rarely, span more than 16)
+    good = (torch.rand(512, generator=torch.Generator().manual_seed(0)) * 3 + 0.5).bfloat16()
     bad = bf([pat(0, 10), pat(1, 30)] * 256)
     x = torch.stack([good, bad, good, good])
     e = zf.encode(x)

@@ -60,3 +60,41 @@ def test_allocate_fails_cleanly_when_full():
     a = seq("a", [1, 2, 3, 4, 5])
     assert not bm.allocate(a, 5)
     assert a.pages == [] and bm.num_free_pages == 2
+
+
+class CountingStore:
+    """A PageStore that records its calls: allocate_all must reach it once per step, not once per sequence."""
+
+    def __init__(self, pages: int):
+        self.left, self.alloc_calls, self.num_page_ids = pages, [], 8
+
+    def free_pages(self, reserve: bool = True) -> int:
+        return self.left
+
+    def alloc_pages(self, pids: list[int]) -> None:
+        assert len(pids) <= self.left
+        self.left -= len(pids)
+        self.alloc_calls.append(list(pids))
+
+    def release_pages(self, pids: list[int]) -> None:
+        self.left += len(pids)
+
+
+def test_allocate_all_grows_every_sequence_in_one_store_call_or_changes_nothing():
+    store = CountingStore(pages=5)
+    bm = BlockManager(num_pages=8, page_size=2, store=store)
+    seqs = [seq(str(i), [1, 2, 3]) for i in range(3)]
+    assert not bm.allocate_all([(s, 3) for s in seqs])  # 2 pages each: 6 > 5
+    assert store.alloc_calls == [] and all(s.pages == [] for s in seqs) and store.left == 5
+    assert bm.allocate_all([(s, 3) for s in seqs[:2]])
+    assert store.alloc_calls == [[0, 1, 2, 3]]
+    assert [s.pages for s in seqs[:2]] == [[0, 1], [2, 3]] and all(bm.ref_count[p] == 1 for p in range(4))
+    assert bm.allocate_all([(s, 3) for s in seqs[:2]]) and len(store.alloc_calls) == 1  # nothing new needed
+
+
+def test_sequence_tokens_slices_prompt_and_output_as_token_ids_does():
+    s = seq("a", [1, 2, 3, 4])
+    s.output_token_ids = [5, 6, 7]
+    for start in range(8):
+        for stop in range(start, 8):
+            assert s.tokens(start, stop) == s.token_ids[start:stop]
