@@ -137,7 +137,7 @@ class ZipPagedKV:
         self._mma = geo.value_order != "token"
         # stored position of each natural (token * head_dim + dim) value, K and V: [2, page_size * head_dim]
         self._stored_pos = zip_order.natural_to_stored(geo.value_order, geo.page_size, geo.head_dim, self.device)
-        self.counters = {"pages_compressed": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
+        self.counters = {"pages_compressed": 0, "pages_allocated": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
                          "k_stored_bytes": 0, "v_stored_bytes": 0, "k_raw_bytes": 0, "v_raw_bytes": 0}
 
     @property
@@ -178,6 +178,7 @@ class ZipPagedKV:
         # NaN), and readers that load whole pages mask the unwritten tail, which 0 * NaN would defeat.
         self._raw_groups(starts, zero=True)
         self.state[pids] = RAW
+        self.counters["pages_allocated"] += len(pids)
 
     def release_pages(self, pids: list[int]) -> None:
         """Free every byte the pages hold, in all layers."""
