@@ -202,7 +202,8 @@ class BlockManager:
         return True
 
     def allocate_all(self, items: list[tuple[Sequence, int]]) -> bool:
-        """Grow every (seq, num_tokens) at once if all of it fits, else change nothing and return False.
+        """Grow every (seq, num_tokens) at once if all of it fits, else allocate nothing and return False (cached
+        pages may have been evicted in the attempt, as the one-by-one path would have too).
 
         Decode sequences run in lockstep, so every 16th step each needs one page: one capacity check and one
         ``alloc_pages`` for all of them (store mode) instead of one per sequence, which cost ~0.7 ms each on the
