@@ -101,6 +101,18 @@ def auto_chunk_bytes(geo: ZipGeometry, budget: int) -> int:
     return target * unit
 
 
+@dataclass
+class _PendingCompression:
+    """A compression begun on the device (staged bytes, block descriptors, group classes on their way to the host)."""
+
+    pids: list[int]
+    generations: np.ndarray  # the pages' allocation counts when begun: a page freed and reused since is skipped
+    src: torch.Tensor  # int16 [L, n, H, 2, page_size * head_dim]
+    desc: torch.Tensor  # uint8 [L, n, H, 2, blocks_per_group]
+    classes: torch.Tensor  # int8 [L, n, H, 2] (pinned host memory on CUDA)
+    event: torch.cuda.Event | None
+
+
 class ZipPagedKV:
     """The pool, the lookup tables, and the operations the engine needs: allocate/free pages, write new
     tokens, compress filled pages, rebuild pages as BF16, capacity and statistics."""
@@ -132,6 +144,9 @@ class ZipPagedKV:
         self.group_desc = list(self.group_desc_all.unbind(0))
         self._starts_host = np.zeros(shape, dtype=np.int64)  # mirror, for freeing without a device sync
         self._class_host = np.zeros(shape, dtype=np.int8)  # compressed blocks per group, for statistics
+        self._generation = np.zeros(self.num_page_ids, dtype=np.int64)  # allocations of each page id so far
+        self._pending: list[_PendingCompression] = []  # begun, not finished (compress_begin / compress_finish)
+        self._pending_pids: dict[int, int] = {}  # page id -> its generation when begun
         self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
         self._value_idx = torch.arange(geo.group_values, device=self.device)
         self._mma = geo.value_order != "token"
@@ -178,6 +193,7 @@ class ZipPagedKV:
         # NaN), and readers that load whole pages mask the unwritten tail, which 0 * NaN would defeat.
         self._raw_groups(starts, zero=True)
         self.state[pids] = RAW
+        self._generation[pids] += 1
         self.counters["pages_allocated"] += len(pids)
 
     def release_pages(self, pids: list[int]) -> None:
@@ -230,19 +246,56 @@ class ZipPagedKV:
 
     def compress(self, pids: list[int]) -> None:
         """Compress filled raw pages (after the step's attention reads): every layer, K and V, in one pass."""
-        pids = [p for p in pids if self.state[p] == RAW]
+        self.compress_begin(pids)
+        self.compress_finish()
+
+    def compress_begin(self, pids: list[int]) -> None:
+        """First half of :meth:`compress`, for the engine's decode loop: stage the pages' bytes and classify their
+        blocks on the device now (enqueued after this step's attention reads), bring the classes to pinned host
+        memory without waiting. :meth:`compress_finish`, called once the next step's forward is enqueued, places
+        them on the host while the device runs that step: the host placement (tens of ms per 65 pages at the 8B
+        shape) then overlaps device work instead of adding to the step. Until then the pages stay raw and readable;
+        one released (or released and allocated again) meanwhile is skipped."""
+        pids = [p for p in pids if self.state[p] == RAW and self._pending_pids.get(p) != self._generation[p]]
         if not pids:
             return
-        g = self.geo
-        nb, bsz = g.blocks_per_group, g.block_size
+        nb, bsz = self.geo.blocks_per_group, self.geo.block_size
         idx = torch.tensor(pids, dtype=torch.long, device=self.device)
-        old = self.group_start_all[:, idx]  # [L, n, H, 2]
         # Staging copy of the raw groups: pack may then write anywhere, the groups' own slots included.
-        src = self._raw_groups(old)  # [L, n, H, 2, PD]
-        blocks = src.reshape(-1, bsz)
-        desc = self._analyze(blocks).view(*old.shape, nb)
-        ncomp = (desc != zb.RAW).sum(-1)  # class of each group
-        cls = ncomp.cpu().numpy()  # the step's one device sync: placement needs the classes on the host
+        src = self._raw_groups(self.group_start_all[:, idx])  # [L, n, H, 2, PD]
+        desc = self._analyze(src.reshape(-1, bsz)).view(*src.shape[:4], nb)
+        ncomp = (desc != zb.RAW).sum(-1, dtype=torch.int8)  # class of each group
+        event = None
+        if self.device.type == "cuda":
+            cls = torch.empty(ncomp.shape, dtype=torch.int8, pin_memory=True)
+            cls.copy_(ncomp, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            cls = ncomp
+        self._pending.append(_PendingCompression(pids, self._generation[pids].copy(), src, desc, cls, event))
+        self._pending_pids.update(zip(pids, self._generation[pids].tolist()))
+
+    def compress_finish(self) -> None:
+        """Second half of :meth:`compress`: place every begun compression, pack it, switch the tables over."""
+        pending, self._pending = self._pending, []
+        self._pending_pids.clear()
+        for job in pending:
+            if job.event is not None:
+                job.event.synchronize()  # normally long done: the step that began it has synced since
+            live = [i for i, p in enumerate(job.pids)
+                    if self.state[p] == RAW and self._generation[p] == job.generations[i]]
+            if not live:
+                continue
+            src, desc, cls = job.src, job.desc, job.classes.numpy()
+            if len(live) < len(job.pids):
+                sel = torch.tensor(live, dtype=torch.long, device=self.device)
+                src, desc, cls = src[:, sel], desc[:, sel], cls[:, live]
+            self._finish(np.asarray(job.pids)[live].tolist(), src, desc, cls)
+
+    def _finish(self, pids: list[int], src: torch.Tensor, desc: torch.Tensor, cls: np.ndarray) -> None:
+        g = self.geo
+        bsz = g.block_size
         old_h = self._starts_host[:, pids]
         new_h = old_h.copy()
         for layer in range(g.num_layers):
@@ -253,6 +306,7 @@ class ZipPagedKV:
             pdesc = desc[packed]  # [m, nb]
             offsets = zb.offsets_from_starts(new[packed], pdesc, bsz)
             self._pack(src[packed].reshape(-1, bsz), pdesc, offsets)
+        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
         self.group_start_all[:, idx] = new
         self.group_desc_all[:, idx] = desc
         self._starts_host[:, pids] = new_h

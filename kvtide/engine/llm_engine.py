@@ -205,6 +205,8 @@ class LLMEngine:
                 out = self._append_token(seq, next(it), now)
                 if out is not None:
                     outputs.append(out)
+        if self.store is not None and not self.scheduler.has_work():
+            self.store.compress_finish()  # idle: no next step to overlap the last filled pages' placement with
         return restored + outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:

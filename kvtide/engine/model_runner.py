@@ -89,11 +89,13 @@ class ModelRunner:
                     self.attention,
                     logit_rows=rows,
                 )
-        if self.store is not None:  # the step's attention reads are done: compress the pages it filled
+        if self.store is not None:  # enqueued after this step's attention reads
             p = self.page_size
             with record_function("kvtide.compress"):
-                self.store.compress([pid for seq, n in batch
-                                     for pid in seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
+                # the previous step's filled pages: host placement while the device runs this step's forward
+                self.store.compress_finish()
+                self.store.compress_begin([pid for seq, n in batch for pid in
+                                           seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
         if not sampling:
             return []
         return sample(logits, [batch[i][0].params for i in sampling], [generators[i] for i in sampling])

@@ -8,6 +8,7 @@ import torch
 from kvtide.cache import zipblocks as zb
 from kvtide.cache.pool import ChunkPool, PoolGeometry
 from kvtide.cache.zip_pages import COMPRESSED, ZipGeometry, ZipPagedKV
+from kvtide.cache.zip_pages import RAW as PAGE_RAW
 from kvtide.config import CacheConfig
 
 GEO = ZipGeometry(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16)
@@ -252,3 +253,28 @@ def test_new_pages_read_as_zeros_in_slots_a_previous_page_used(tail):
         "expected the new pages to reuse slots"
     for layer in range(GEO.num_layers):
         assert (store.read_pages(layer, torch.tensor([2, 3])).view(torch.int16) == 0).all()
+
+
+def test_begun_compression_keeps_pages_readable_and_skips_pages_freed_or_reused_before_it_finishes():
+    """compress_begin / compress_finish (the engine's split across two steps): pages read back exactly while
+    pending; one released meanwhile is skipped, one released and allocated again keeps its new contents raw."""
+    store = ZipPagedKV(GEO, budget_bytes=40 * GEO.raw_page_bytes)
+    first = fill(store, [0, 1, 2, 3], seed=5)
+    store.compress_begin([0, 1, 2, 3])
+    assert (store.state[[0, 1, 2, 3]] == PAGE_RAW).all(), "pending pages stay raw"
+    assert_exact(store, [0, 1, 2, 3], first)
+    store.compress_begin([0])  # already pending: not staged twice
+    assert sum(len(j.pids) for j in store._pending) == 4
+    store.release_pages([1, 2])
+    again = fill(store, [2], seed=6)  # page id 2 reused for new contents
+    store.compress_finish()
+    assert (store.state[[0, 3]] == COMPRESSED).all() and store.state[2] == PAGE_RAW
+    def pages(x: torch.Tensor) -> torch.Tensor:  # rows of pages 0 and 3 of a fill of pages 0..3
+        return x.view(4, -1, *x.shape[1:])[[0, 3]].flatten(0, 1)
+
+    assert_exact(store, [0, 3], {layer: (pages(k), pages(v)) for layer, (k, v) in first.items()})
+    assert_exact(store, [2], again)
+    store.compress([2])
+    assert_exact(store, [2], again)
+    store.release_pages([0, 2, 3])
+    assert store.alloc.stats()["chunks_owned"] == 0 and store.counters["k_stored_bytes"] == 0
