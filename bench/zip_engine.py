@@ -117,11 +117,12 @@ class HostClock:
 
     def __init__(self, eng: LLMEngine) -> None:
         self.spent = {"schedule": 0.0, "compress": 0.0}
-        self._wrap(eng.scheduler, "schedule")
-        if eng.store is not None:
-            self._wrap(eng.store, "compress")
+        self._wrap(eng.scheduler, "schedule", "schedule")
+        if eng.store is not None:  # both halves (store.compress calls them too, so nothing counts twice)
+            self._wrap(eng.store, "compress_begin", "compress")
+            self._wrap(eng.store, "compress_finish", "compress")
 
-    def _wrap(self, obj, name: str) -> None:
+    def _wrap(self, obj, name: str, bucket: str) -> None:
         fn = getattr(obj, name)
 
         def timed_call(*args, **kw):
@@ -129,7 +130,7 @@ class HostClock:
             try:
                 return fn(*args, **kw)
             finally:
-                self.spent[name] += time.perf_counter() - t
+                self.spent[bucket] += time.perf_counter() - t
 
         setattr(obj, name, timed_call)
 
