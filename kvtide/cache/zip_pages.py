@@ -21,7 +21,8 @@ STORAGE CONTRACT (what attention backends and kernels read; keep to it exactly)
 * Indexing is by the engine's page id, which never changes; entries of pages not held are stale (0 / 0xFF)
   and must not be read. ``format_version`` says which descriptors may appear.
 * Life of a page: allocated RAW (all descriptors 0xFF, all values +0.0) in every layer; new tokens' K/V are written into its
-  raw bytes (``write``). When it fills, ``compress`` (called after the step's attention reads) re-encodes it
+  raw bytes (``write``). When it fills, ``compress`` (called after the step's attention reads; the engine's decode
+  steps split it into ``compress_begin`` and ``compress_finish`` one step later, the page raw meanwhile) re-encodes it
   into a new place of its size class and frees the raw bytes; groups whose blocks all stayed raw keep their
   place; if no destination is free the group is compressed in place (through a staging copy, since
   ``zipblocks.pack`` must not alias its source). No uncompressed copy of a compressed page remains.

@@ -96,6 +96,8 @@ class ModelRunner:
                 self.store.compress_finish()
                 self.store.compress_begin([pid for seq, n in batch for pid in
                                            seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
+                if not layout.is_decode_only:  # prefill chunks fill many pages: no staged copy held for a step
+                    self.store.compress_finish()
         if not sampling:
             return []
         return sample(logits, [batch[i][0].params for i in sampling], [generators[i] for i in sampling])

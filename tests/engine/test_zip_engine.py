@@ -134,3 +134,25 @@ def test_qwen_greedy_tokens_equal_with_and_without_compression():
     dense = engine_llm(QWEN, cache=CacheConfig(num_pages=16))
     assert zipped.generate(prompt, params)[0].token_ids == dense.generate(prompt, params)[0].token_ids
     assert zipped.engine.kv_stats()["pages_compressed_total"] >= 1
+
+
+def test_decode_compresses_a_filled_page_one_step_later_and_prefill_at_once():
+    """Decode steps split compression (placed while the next step runs); prefill steps finish it in the step."""
+    from kvtide.cache.zip_pages import RAW
+
+    eng = zip_llm(num_pages=24).engine
+    store = eng.store
+    ids = eng.tokenizer.encode("A ledger of the harbour's ships, their cargo and their ports of call:")
+    prompt = (ids * 4)[:37]  # two full pages filled by prefill, 5 tokens into the third
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    eng.step()  # prefill
+    seq = next(iter(eng.seqs.values()))
+    assert (store.state[seq.pages[:2]] == COMPRESSED).all() and not store._pending
+    while seq.num_computed_tokens < 48:  # decode until the step that writes token 47 fills page 2
+        eng.step()
+    assert store.state[seq.pages[2]] == RAW and [j.pids for j in store._pending] == [[seq.pages[2]]]
+    eng.step()
+    assert store.state[seq.pages[2]] == COMPRESSED
+    while eng.has_unfinished():
+        eng.step()
+    assert not store._pending, "an idle engine leaves no compression half done"
