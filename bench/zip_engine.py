@@ -4,7 +4,8 @@ uncompressed FlashInfer (compress=False) under ONE KV byte budget, plus decompre
 Model: Llama-3.1-8B shape (`random:llama3-8b`, RANDOM weights, bf16). Each sequence: an 8192-token prefix,
 prefilled (and, with compress=True, compressed) before timing, then one untimed decode step (CUDA graph capture,
 JIT) and 255 timed ones; tokens/s = batch * steps / (sum of the step times). Steps that allocate or compress pages
-are reported apart, with the host time spent in the scheduler and in compress. Batches 16, 32, 48 and each backend's largest batch under the budget:
+are reported apart, with the host time spent in the scheduler and in compress. The JSON is rewritten after every
+batch ("complete": false until the end), so a run cut short by a time limit keeps what it measured. Batches 16, 32, 48 and each backend's largest batch under the budget:
 the uncompressed one from its page count, zip's from the measured size of its compressed prefixes.
 
 KV statistics: random weights give KV whose exponent statistics are not a trained model's, so while prefixes are
@@ -283,8 +284,9 @@ def compression_seen(eng: LLMEngine) -> dict:
 
 
 def run_backend(label: str, backend: str, compress: bool, a, budget: int, batches: list[int] | None,
-                bank: tuple[torch.Tensor, torch.Tensor] | None, steps: int, sync) -> dict:
-    """One engine; prefixes warmed once and reused from the prefix cache; batches in increasing order."""
+                bank: tuple[torch.Tensor, torch.Tensor] | None, steps: int, sync, partial=None) -> dict:
+    """One engine; prefixes warmed once and reused from the prefix cache; batches in increasing order.
+    ``partial(result so far)`` is called after each batch (the caller writes it out)."""
     try:
         llm = LLM(a.model_name, progress=False, device=a.device, dtype=a.dtype, attention_backend=backend, seed=0,
                   cuda_graphs=a.cuda_graphs, cache=CacheConfig(kv_cache_bytes=budget, compress=compress),
@@ -328,6 +330,8 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             runs[f"{b}_not_whole"] = r
             b = largest = max(1, b - max(1, b // 50))
         runs[str(b)] = r
+        if partial is not None:
+            partial({**out, "largest_batch": largest, "runs": dict(runs)})
         print(f"  {label:>12} batch {b:>3}: {r.get('median_step_ms', float('nan')):8.2f} ms/step "
               f"{r.get('tokens_per_s', float('nan')):9.0f} tok/s  preemptions {r.get('preemptions')}; "
               f"mean {r.get('mean_step_ms', float('nan')):.2f} ms, plain steps {r.get('plain_step_mean_ms') or 0:.2f}, "
@@ -463,13 +467,22 @@ def main() -> None:
         sys.exit(f"--only: unknown part(s) {sorted(only - {'baseline', 'zip', 'decompress'})}")
     res["setup"]["only"] = sorted(only)
     res["backends"] = {}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(name: str, result: dict) -> None:  # written after each backend: a run cut short keeps what it did
+        res["backends"][name] = result
+        a.out.write_text(json.dumps({**res, "complete": False}, indent=2))
+
     if "baseline" in only:
-        res["backends"][a.baseline] = run_backend(a.baseline, a.baseline, False, a, budget, batches, bank, a.steps, sync)
+        record(a.baseline, run_backend(a.baseline, a.baseline, False, a, budget, batches, bank, a.steps, sync,
+                                       lambda r: record(a.baseline, r)))
     if "zip" in only:
-        res["backends"][zip_name] = run_backend(zip_name, "zip", True, a, budget, batches, bank, a.steps, sync)
+        record(zip_name, run_backend(zip_name, "zip", True, a, budget, batches, bank, a.steps, sync,
+                                     lambda r: record(zip_name, r)))
     if "decompress" in only:
-        res["backends"][f"decompress+{a.baseline}"] = run_backend("decompress", a.baseline, True, a, budget, None,
-                                                                  bank, a.ref_steps, sync)
+        name = f"decompress+{a.baseline}"
+        record(name, run_backend("decompress", a.baseline, True, a, budget, None, bank, a.ref_steps, sync,
+                                 lambda r: record(name, r)))
     base, z = res["backends"].get(a.baseline, {}), res["backends"].get(zip_name, {})
     ratios = {"equal_batch": {}, "largest_batch": None}
     for b in batches:
@@ -480,7 +493,7 @@ def main() -> None:
         ratios["largest_batch"] = {"zip_batch": z["largest_batch"], "baseline_batch": base["largest_batch"],
                                    "zip_over_baseline_tokens_per_s": x / y if x and y else None}
     res["ratios_zip_over_baseline"] = ratios
-    a.out.parent.mkdir(parents=True, exist_ok=True)
+    res["complete"] = True
     a.out.write_text(json.dumps(res, indent=2))
 
     print(f"\n{'backend':<24}{'batch':>6}{'ms/step':>10}{'tok/s':>10}")
