@@ -147,7 +147,6 @@ class ZipPagedKV:
         self._class_host = np.zeros(shape, dtype=np.int8)  # compressed blocks per group, for statistics
         self._generation = np.zeros(self.num_page_ids, dtype=np.int64)  # allocations of each page id so far
         self._pending: list[_PendingCompression] = []  # begun, not finished (compress_begin / compress_finish)
-        self._pending_pids: dict[int, int] = {}  # page id -> its generation when begun
         self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
         self._value_idx = torch.arange(geo.group_values, device=self.device)
         self._mma = geo.value_order != "token"
@@ -257,7 +256,8 @@ class ZipPagedKV:
         them on the host while the device runs that step: the host placement (tens of ms per 65 pages at the 8B
         shape) then overlaps device work instead of adding to the step. Until then the pages stay raw and readable;
         one released (or released and allocated again) meanwhile is skipped."""
-        pids = [p for p in pids if self.state[p] == RAW and self._pending_pids.get(p) != self._generation[p]]
+        pending = {p: g for job in self._pending for p, g in zip(job.pids, job.generations.tolist())}
+        pids = [p for p in pids if self.state[p] == RAW and pending.get(p) != self._generation[p]]
         if not pids:
             return
         nb, bsz = self.geo.blocks_per_group, self.geo.block_size
@@ -275,12 +275,10 @@ class ZipPagedKV:
         else:
             cls = ncomp
         self._pending.append(_PendingCompression(pids, self._generation[pids].copy(), src, desc, cls, event))
-        self._pending_pids.update(zip(pids, self._generation[pids].tolist()))
 
     def compress_finish(self) -> None:
         """Second half of :meth:`compress`: place every begun compression, pack it, switch the tables over."""
         pending, self._pending = self._pending, []
-        self._pending_pids.clear()
         for job in pending:
             if job.event is not None:
                 job.event.synchronize()  # normally long done: the step that began it has synced since
