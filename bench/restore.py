@@ -55,7 +55,7 @@ def greedy(n: int) -> SamplingParams:
 class Bench:
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        self.llm = LLM(a.model, device=a.device, progress=False,
+        self.llm = LLM(a.model, device=a.device, progress=False, attention_backend=getattr(a, "attention", "auto"),
                        cache=CacheConfig(kv_dtype="bfloat16", enable_prefix_caching=False,
                                          **({"num_pages": a.num_pages} if a.num_pages else {})),
                        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens),
@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch compute threads (CPU default 1: on a shared 2-core machine a second OpenMP thread "
                          "stalls at every barrier when descheduled; 1 compute thread + the I/O thread is also the "
                          "'one compute resource, one link' of the model)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
+                    help="engine attention backend (auto: FlashInfer on CUDA when importable, else the torch reference)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     args = b.eng.model.args
     random_w = a.model.startswith("random:")
     con.print(f"[bold]restore bench[/]: {a.model} ({'RANDOM weights' if random_w else 'real weights'}), "
-              f"{args.num_layers} layers, {args.num_kv_heads} KV heads x {args.head_dim}, KV bf16, device {a.device}, "
+              f"attention {b.eng.runner.attention.name}, {args.num_layers} layers, {args.num_kv_heads} KV heads x {args.head_dim}, KV bf16, device {a.device}, "
               f"chunk {a.chunk} tokens, {b.r.bytes_per_token:.0f} stored B/token/layer; load avg {_loadavg()}")
     b.warm_profile([64, 128, 256, 512] if not gpu else [1024, 4096, 8192, a.max_input])
     bal = b.balance(a.lengths[0])
@@ -461,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": torch.cuda.get_device_name() if gpu else None, "model": a.model, "random_weights": random_w,
             "shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
             "kv_dtype": "bfloat16", "compute_dtype": str(b.eng.config.torch_dtype), "chunk_tokens": a.chunk,
+            "attention_backend": b.eng.runner.attention.name,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
             "store": "in-process memory tier (CRC-32 checksummed records, verified on every load)",

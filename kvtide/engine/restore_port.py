@@ -28,25 +28,35 @@ class EnginePort:
         self.seqs = list(seqs)
         self._pages = [torch.tensor(s.pages, dtype=torch.long, device=self.device) for s in self.seqs]
         self._ids = [torch.tensor(s.token_ids, dtype=torch.long, device=self.device) for s in self.seqs]
+        # The runner's attention backend is planned by this port alone while it lives (a restoration runs between
+        # engine steps, on the caller's thread): the last plan stays valid until the segments change.
+        self._planned: tuple | None = None
+        self._positions = self._rows = torch.empty(0)
 
     def slots(self, r: int, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end, device=self.device)
         return self._pages[r][pos // self.page_size] * self.page_size + pos % self.page_size
 
     def run_layer(self, layer: int, h: torch.Tensor | None, segments: Sequence[Segment]) -> torch.Tensor:
-        segs = list(segments)
-        layout = BatchLayout(
-            q_lens=[s.length for s in segs],
-            kv_lens=[s.end for s in segs],
-            block_tables=[self.seqs[s.request].pages for s in segs],
-            slot_mapping=torch.cat([self.slots(s.request, s.start, s.end) for s in segs]),
-            page_size=self.page_size,
-        )
-        positions = torch.cat([torch.arange(s.start, s.end, device=self.device) for s in segs])
-        ids = torch.cat([self._ids[s.request][s.start:s.end] for s in segs])
-        attn = self.runner.attention
-        attn.plan(layout)
-        return self.model.hidden_states(ids, positions, attn, layers=range(layer, layer + 1), h=h)
+        """Plans only when the segments change: a staircase has a few distinct boundaries and the suffix one set of
+        rows for every layer, so a restoration plans a handful of times, not once per layer (FlashInfer's prefill
+        plan is host work the compute thread would otherwise pay per layer while the I/O thread competes for it)."""
+        key = tuple((s.request, s.start, s.end) for s in segments)
+        if key != self._planned:
+            segs = list(segments)
+            layout = BatchLayout(
+                q_lens=[s.length for s in segs],
+                kv_lens=[s.end for s in segs],
+                block_tables=[self.seqs[s.request].pages for s in segs],
+                slot_mapping=torch.cat([self.slots(s.request, s.start, s.end) for s in segs]),
+                page_size=self.page_size,
+            )
+            self._positions = torch.cat([torch.arange(s.start, s.end, device=self.device) for s in segs])
+            self._rows = torch.cat([self._ids[s.request][s.start:s.end] for s in segs])
+            self.runner.attention.plan(layout)
+            self._planned = key
+        return self.model.hidden_states(self._rows, self._positions, self.runner.attention,
+                                        layers=range(layer, layer + 1), h=h)
 
     def write_kv(self, layer: int, request: int, start: int, kv: torch.Tensor) -> None:
         """Place loaded K/V [2, T, kv_heads, head_dim] at positions [start, start + T) of ``layer``.
