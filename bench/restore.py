@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "attention_backend": b.eng.runner.attention.name,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
-            "store": "in-process memory tier (CRC-32 checksummed records, verified on every load)",
+            "store": "in-process memory tier (XXH3-128 checksummed records, verified on every load)",
             "executor": "batched pipelined loads, stealing on for hybrid plans (RestoreConfig.steal)",
             "args": vars(a), "trace_links": [{"gbps": x, "label": y} for x, y in links],
             "trace_scaling": f"each 512-token Mooncake block -> {a.block_tokens} tokens (scale {a.block_tokens / 512:g}); "

@@ -19,14 +19,40 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import time
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import restore as R  # noqa: E402
 
+from kvtide.engine.restore_port import EnginePort  # noqa: E402
+from kvtide.restore.executor import LoadConfig  # noqa: E402
+
+HOST: list[tuple[int, int, float]] = []  # (layer, rows, host seconds) of every layer call
+
+
+def _timed_run_layer(orig):
+    def run_layer(self, layer, h, segments):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        out = orig(self, layer, h, segments)
+        HOST.append((layer, sum(s.length for s in segments), time.perf_counter() - t))
+        return out
+    return run_layer
+
+
+def _host_split(suffix_rows: int) -> dict:
+    """Median host seconds per layer call, staircase vs suffix (calls since the last reset)."""
+    st = [x[2] for x in HOST if x[1] != suffix_rows]
+    su = [x[2] for x in HOST if x[1] == suffix_rows]
+    med = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
+    return {"stair_calls": len(st), "stair_host_ms_median": 1e3 * med(st), "stair_host_ms_sum": 1e3 * sum(st),
+            "suffix_calls": len(su), "suffix_host_ms_median": 1e3 * med(su), "suffix_host_ms_sum": 1e3 * sum(su)}
+
 KEYS = ("total_seconds", "predicted_seconds", "recompute_seconds", "suffix_seconds", "load_seconds", "wait_seconds",
         "overhead_seconds", "link_wait_seconds", "stolen_tokens")
+HOST_KEYS = ("stair_host_ms_median", "suffix_host_ms_median", "stair_host_ms_sum", "suffix_host_ms_sum")
 
 
 def main() -> None:
@@ -42,11 +68,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run (s)")
     ap.add_argument("--profile-rows", type=int, default=30)
+    ap.add_argument("--workers", type=int, default=None, help="verify/stage threads of the load path (default: auto)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
     gpu = a.device.startswith("cuda")
+    EnginePort.run_layer = _timed_run_layer(EnginePort.run_layer)
+    if a.workers is not None:
+        LoadConfig.resolved_workers = lambda self, device: a.workers  # type: ignore[method-assign]
     b = R.Bench(argparse.Namespace(model=a.model, device=a.device, num_pages=None, max_batched_tokens=32768,
                                    store_gb=64 if gpu else 4, chunk=a.chunk, batches=a.batches, suffix=16,
                                    attention=a.attention))
@@ -66,12 +96,15 @@ def main() -> None:
                 b.restore(prompts, m)  # untimed: first use of this shape
             for rep in range(a.reps):
                 for m in a.methods:
+                    HOST.clear()
                     _, rec = b.restore(prompts, m)
+                    host = _host_split(16 * bs)
                     rows.append({"gbps": g, "batch": bs, "method": m, "rep": rep,
-                                 **{k: getattr(rec, k) for k in KEYS}, "boundaries": rec.boundaries})
+                                 **{k: getattr(rec, k) for k in KEYS}, **host, "boundaries": rec.boundaries})
                     print(f"{g:g} Gbps b{bs} {m:10s} total {rec.total_seconds:.3f} pred {rec.predicted_seconds:.3f} "
                           f"rec {rec.recompute_seconds:.3f} suffix {rec.suffix_seconds:.3f} load {rec.load_seconds:.3f} "
-                          f"wait {rec.wait_seconds:.3f} ovh {rec.overhead_seconds:.3f}", flush=True)
+                          f"wait {rec.wait_seconds:.3f} ovh {rec.overhead_seconds:.3f} | host ms/call stair "
+                          f"{host['stair_host_ms_median']:.2f} suffix {host['suffix_host_ms_median']:.2f}", flush=True)
     profiles = {}
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
     b.set_link(a.gbps[0])
@@ -90,11 +123,12 @@ def main() -> None:
     for r in rows:
         med.setdefault((r["gbps"], r["batch"], r["method"]), []).append(r)
     summary = [{"gbps": k[0], "batch": k[1], "method": k[2],
-                **{x: statistics.median(r[x] for r in v) for x in KEYS}} for k, v in med.items()]
+                **{x: statistics.median(r[x] for r in v) for x in KEYS + HOST_KEYS}} for k, v in med.items()]
     out = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if gpu else None, "model": a.model,
            "random_weights": a.model.startswith("random:"), "attention_backend": b.eng.runner.attention.name,
-           "switch_interval_s": sys.getswitchinterval(), "tokens": n, "chunk": a.chunk, "suffix_tokens": 16,
+           "switch_interval_s": sys.getswitchinterval(),
+           "load_workers": a.workers if a.workers is not None else LoadConfig().resolved_workers(b.eng.runner.device), "tokens": n, "chunk": a.chunk, "suffix_tokens": 16,
            "summary": summary, "rows": rows, "profiles": profiles}
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {a.out}")

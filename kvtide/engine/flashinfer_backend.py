@@ -31,7 +31,9 @@ class FlashInferAttention(AttentionBackend):
         dev = self.kv_caches[0].device
         i32 = dict(dtype=torch.int32)
         kv_indptr, kv_indices, kv_last = layout.page_table()
-        kv_indices = kv_indices.to(dev)
+        # pinned + non_blocking: a pageable host-to-device copy synchronises the host with the device (a restoration
+        # plans between layers, and the host must not wait out the layer in flight)
+        kv_indices = kv_indices.pin_memory().to(dev, non_blocking=True)
         dtype = self.kv_caches[0].dtype
         self.slot_mapping = layout.slot_mapping
         if layout.is_decode_only:

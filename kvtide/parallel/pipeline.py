@@ -580,7 +580,7 @@ _POOL_LOCK = threading.Lock()
 
 
 def _verify_pool(device: torch.device) -> ThreadPoolExecutor | None:
-    """Threads that verify boundary records in parallel (CRC-32 and tensor copies release the GIL): on CUDA
+    """Threads that verify boundary records in parallel (XXH3 and tensor copies release the GIL): on CUDA
     min(8, cores // 2) as the executor's loads; none on a CPU device, whose other core runs the compute."""
     if device.type != "cuda":
         return None

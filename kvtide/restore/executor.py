@@ -11,8 +11,10 @@ max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1):
   once into the request's pages of that layer (whole pages: loads are chunk-aligned). On CUDA the entries of a
   batch go into a pinned staging buffer (a ring of two, reused across batches once their copy event has
   passed), then one non-blocking host-to-device copy and the page writes run on the I/O thread's own stream.
-  Verify + stage run on ``LoadConfig.workers`` threads (CRC-32 and tensor copies release the GIL); 0 on CPU,
-  where the one other core is the compute thread's. After a layer's last batch it signals that layer (a
+  Verify + stage run on ``LoadConfig.workers`` threads (XXH3 and tensor copies release the GIL); 0 on CPU,
+  where the one other core is the compute thread's, and 2 on CUDA: more verify threads slow the compute thread's
+  kernel launches (8 with CRC-32 records doubled its layer times on the H200) for a load path that 2 keep at
+  link speed. After a layer's last batch it signals that layer (a
   ``threading.Event``; on CUDA also an event recorded on the I/O stream, which the compute stream waits on,
   so copies overlap compute). A store without ``fetch`` is read entry by entry (``get_entry``).
 * compute thread (the caller): first the staircase: the embeddings of [start, j_0) through layer 0, keep the
@@ -125,7 +127,7 @@ class LoadConfig:
     ``batch_bytes``: raw bytes per ``fetch`` (one store round trip; on CUDA one staging slot and one
     host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
     the CPU verifies). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
-    CPU device (its spare core already runs this thread) and min(8, cores // 2) on CUDA. ``steal``: see the
+    CPU device (its spare core already runs this thread) and min(2, cores // 2) on CUDA (see the module docstring). ``steal``: see the
     module docstring.
     """
 
@@ -145,7 +147,7 @@ class LoadConfig:
     def resolved_workers(self, device: torch.device) -> int:
         if self.workers is not None:
             return self.workers
-        return 0 if device.type != "cuda" else max(1, min(8, (os.cpu_count() or 2) // 2))
+        return 0 if device.type != "cuda" else max(1, min(2, (os.cpu_count() or 2) // 2))
 
 
 @dataclass(frozen=True)
@@ -561,7 +563,7 @@ class RestoreExecutor:
     def _stair_layer(self, layer: int, h: torch.Tensor | None, prev: list[Segment], segs: list[Segment],
                      res: RestoreResult, clock: "_Clock", marks: list) -> torch.Tensor:
         if h is not None:
-            h = h.index_select(0, _keep_rows(prev, segs, h.device))
+            h = _keep_rows(h, prev, segs)
         a = clock.mark()
         h = self.port.run_layer(layer, h, segs)
         marks.append((a, clock.mark(), segs))
@@ -591,7 +593,7 @@ class RestoreExecutor:
                 if h is not None:
                     old = [Segment(r, jobs[r].cached, jobs[r].total) for r in alive]
                     new = [Segment(r, jobs[r].cached, jobs[r].total) for r in keep]
-                    h = h.index_select(0, _keep_rows(old, new, h.device)) if keep else None
+                    h = _keep_rows(h, old, new) if keep else None
                 alive = keep
             if not alive:
                 return None, [], marks, start
@@ -634,15 +636,21 @@ def _row_ends(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def _keep_rows(prev: Sequence[Segment], segs: Sequence[Segment], device: torch.device) -> torch.Tensor:
-    """Indices of rows of ``prev``'s output that feed ``segs`` (same starts, each end <= its previous end)."""
+def _keep_rows(h: torch.Tensor, prev: Sequence[Segment], segs: Sequence[Segment]) -> torch.Tensor:
+    """The rows of ``prev``'s output ``h`` that feed ``segs`` (same starts, each end <= its previous end).
+
+    Slices on the device: an index built on the host and copied over would be a pageable host-to-device copy,
+    which synchronises the host with the device once per staircase layer (measured on the H200: the host then
+    waits out every layer before it launches the next one)."""
     off = {}
     o = 0
     for s in prev:
         off[s.request] = o
         o += s.length
-    idx = [torch.arange(off[s.request], off[s.request] + s.length) for s in segs]
-    return torch.cat(idx).to(device)
+    parts = [(off[s.request], s.length) for s in segs]
+    if len(parts) == 1 and parts[0][0] == 0:
+        return h[:parts[0][1]]
+    return torch.cat([h[a:a + n] for a, n in parts])
 
 
 class _Clock:

@@ -6,23 +6,25 @@ Redis) with no ranged-read support needed; each entry has its own checksum, so a
 recompute of that layer's tokens only; entries can be written as soon as each layer's KV exists; and the
 Redis tier can fetch many with one MGET. The price is L small headers (~150 B against >= 12 KiB of KV).
 
-Record format, version 2 (all little endian)::
+Record format, version 3 (all little endian)::
 
     0   4  magic  b"KVTR"
-    4   2  version (u16) = 2
+    4   2  version (u16) = 3
     6   2  flags (u16) = 0, reserved
     8   4  meta_len (u32)
     12  8  body_len (u64)              = 4 * num_tokens + payload bytes
-    20  16 checksum of meta || body: CRC-32 (u32) then 12 zero bytes
+    20  16 checksum of meta || body: XXH3-128 (xxhash), little endian
     36  meta: UTF-8 JSON {"key", "layer", "dtype", "shape", "num_tokens", "byteorder"}, space-padded so the
         payload starts on a 64-byte boundary of the record (zero-copy views, aligned copies)
         body: token ids (u32) then the KV tensor's raw bytes (C order), e.g. [2, tokens, kv_heads, head_dim] BF16
 
-Version 1 (the same layout, blake2b-128 in the checksum field, no padding) is still read. CRC-32 replaced it
-because the load path is bound by checksum speed: zlib's CRC-32 runs ~4x faster than blake2b here (2.7 vs
-0.6 GB/s a core) and releases the GIL, so several threads verify in parallel. It is an integrity check against
-torn, truncated or flipped bytes (every burst up to 32 bits, else all but 2^-32 of random damage), not a
-defence against a forger; the chunk keys stay blake2b. The token ids in the body are still compared on every hit.
+Versions 1 (blake2b-128, no padding) and 2 (CRC-32 then 12 zero bytes) are still read. The load path is bound by
+checksum speed: blake2b ran 0.6 GB/s a core, zlib's CRC-32 1.6 (this 2-core CPU), XXH3-128 18 GB/s. With CRC-32 a
+GPU restoration needed 8 verify threads to keep up with a 40 Gbps link, and those threads slowed the compute
+thread's kernel launches ~2x (the H200 probe, bench/restore_probe.py: F learned under loads sat 2x above F alone);
+XXH3 verifies at link speed on one thread. It is an integrity check against torn, truncated or flipped bytes
+(all but ~2^-128 of random damage), not a defence against a forger; the chunk keys stay blake2b. The token ids in
+the body are still compared on every hit.
 
 Loads in bulk: ``fetch`` reads the raw bytes of many entries in one round trip (one lock, one MGET) and says when
 they are across the link (``ready_at``; a ``BandwidthLimitedStore`` reserves the link then, so the next fetch
@@ -51,12 +53,13 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from kvtide.store.keys import ChunkKey, token_bytes
 
 RECORD_MAGIC = b"KVTR"
-RECORD_VERSION = 2  # written; READ_VERSIONS are read
-READ_VERSIONS = (1, 2)
+RECORD_VERSION = 3  # written; READ_VERSIONS are read
+READ_VERSIONS = (1, 2, 3)
 _HEADER = struct.Struct("<4sHHIQ16s")
 HEADER_BYTES = _HEADER.size  # 36
 PAYLOAD_ALIGN = 64
@@ -162,11 +165,16 @@ class Entry:
 
 def _digest(meta: bytes | memoryview, body: bytes | memoryview, version: int = RECORD_VERSION) -> bytes:
     """The 16-byte checksum field of a record of ``version``."""
-    if version == 1:
-        h = hashlib.blake2b(digest_size=16)
+    if version == 3:
+        h = xxhash.xxh3_128()
         h.update(meta)
         h.update(body)
-        return h.digest()
+        return h.intdigest().to_bytes(16, "little")
+    if version == 1:
+        b = hashlib.blake2b(digest_size=16)
+        b.update(meta)
+        b.update(body)
+        return b.digest()
     return (zlib.crc32(body, zlib.crc32(meta)) & 0xFFFFFFFF).to_bytes(4, "little") + bytes(12)
 
 
@@ -194,8 +202,10 @@ def encode_record(key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray,
     ).encode()
     meta += b" " * (-(HEADER_BYTES + len(meta) + len(tok)) % PAYLOAD_ALIGN)  # JSON ignores trailing blanks
     body_len = len(tok) + payload.nbytes
-    crc = zlib.crc32(payload, zlib.crc32(tok, zlib.crc32(meta))) & 0xFFFFFFFF
-    head = _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, 0, len(meta), body_len, crc.to_bytes(4, "little") + bytes(12))
+    h = xxhash.xxh3_128()
+    for part in (meta, tok, payload):
+        h.update(part)
+    head = _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, 0, len(meta), body_len, h.intdigest().to_bytes(16, "little"))
     return b"".join((head, meta, tok, payload))
 
 

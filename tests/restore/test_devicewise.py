@@ -265,7 +265,7 @@ def test_single_shard_devicewise_is_the_single_device_plan():
 
 
 class _SlowChecks:
-    """A tier whose record checks take ``delay`` seconds each (as CRC-32 + copy + host-to-device of a 4 MB boundary
+    """A tier whose record checks take ``delay`` seconds each (as the checksum + copy + host-to-device of a 4 MB boundary
     record take about as long as its 3.4 ms on a 10 Gbps link on the H200 host)."""
 
     def __init__(self, inner, delay: float) -> None:

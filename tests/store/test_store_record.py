@@ -113,20 +113,40 @@ def test_version_1_records_still_read_and_checked() -> None:
         decode_record(bytes(b), KEY, 2, TOKENS)
 
 
-def test_written_records_are_crc_and_payload_aligned() -> None:
-    import zlib
+def test_written_records_are_xxh3_and_payload_aligned() -> None:
+    import xxhash
 
     kv = torch.randn(2, 16, 3, 64).bfloat16()
     rec = encode_record(KEY, 2, TOKENS, kv)
     _, version, _, meta_len, body_len, digest = struct.unpack_from("<4sHHIQ16s", rec)
-    assert version == RECORD_VERSION == 2
-    assert digest[4:] == bytes(12)
-    assert int.from_bytes(digest[:4], "little") == zlib.crc32(rec[HEADER_BYTES:]) & 0xFFFFFFFF
+    assert version == RECORD_VERSION == 3
+    assert digest == xxhash.xxh3_128_intdigest(rec[HEADER_BYTES:]).to_bytes(16, "little")
     assert (HEADER_BYTES + meta_len + 4 * 16) % PAYLOAD_ALIGN == 0  # padded meta: aligned payload
 
 
+def _v2_record(kv: torch.Tensor) -> bytes:
+    """A record as version 2 wrote it (CRC-32 then 12 zero bytes), from a v3 one: same layout, other digest."""
+    import zlib
+
+    rec = bytearray(encode_record(KEY, 2, TOKENS, kv))
+    struct.pack_into("<H", rec, 4, 2)
+    crc = zlib.crc32(bytes(rec[HEADER_BYTES:])) & 0xFFFFFFFF
+    rec[20:36] = crc.to_bytes(4, "little") + bytes(12)
+    return bytes(rec)
+
+
+def test_version_2_records_still_read_and_checked() -> None:
+    kv = torch.randn(2, 16, 1, 8).bfloat16()
+    old = _v2_record(kv)
+    assert torch.equal(decode_record(old, KEY, 2, TOKENS).view(torch.int16), kv.view(torch.int16))
+    b = bytearray(old)
+    b[-1] ^= 1
+    with pytest.raises(ChunkCorrupt, match="checksum"):
+        decode_record(bytes(b), KEY, 2, TOKENS)
+
+
 @pytest.mark.parametrize("where", ["meta", "tokens", "payload"])
-def test_crc_catches_a_flip_anywhere(where: str) -> None:
+def test_checksum_catches_a_flip_anywhere(where: str) -> None:
     rec = bytearray(blob())
     meta_len = struct.unpack_from("<I", rec, 8)[0]
     pos = {"meta": HEADER_BYTES + 3, "tokens": HEADER_BYTES + meta_len + 5, "payload": len(rec) - 9}[where]
