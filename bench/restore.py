@@ -501,6 +501,7 @@ def _profile_state(prof) -> dict:
             "call_overhead_s": prof.call_overhead, "suffix_overhead_s": prof.suffix_overhead,
             "suffix_scale": prof.suffix_scale,
             "fixed_overhead_s": prof.fixed_overhead, "compute_scale": prof.compute_scale,
+            "compute_scale_by_batch": {str(n): prof.compute_scale_for(n) for n in range(1, 9)},
             "bandwidth_bytes_per_s": prof.bandwidth, "observations": prof.num_observations}
 
 

@@ -31,9 +31,11 @@ class FlashInferAttention(AttentionBackend):
         dev = self.kv_caches[0].device
         i32 = dict(dtype=torch.int32)
         kv_indptr, kv_indices, kv_last = layout.page_table()
-        # pinned + non_blocking: a pageable host-to-device copy synchronises the host with the device (a restoration
-        # plans between layers, and the host must not wait out the layer in flight)
-        kv_indices = kv_indices.pin_memory().to(dev, non_blocking=True)
+        # Deliberately synchronous (a pageable copy waits for the device): FlashInfer's plan writes its host-side
+        # plan into one pinned buffer and copies it to the device asynchronously, so a second plan made while the
+        # device is still behind (a restoration re-plans between layers) would overwrite the first one's bytes
+        # before their copy ran. Measured on the H200 with a pinned, non-blocking copy here: illegal memory access.
+        kv_indices = kv_indices.to(dev)
         dtype = self.kv_caches[0].dtype
         self.slot_mapping = layout.slot_mapping
         if layout.is_decode_only:

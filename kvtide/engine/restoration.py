@@ -244,7 +244,7 @@ class Restorer:
     def replay_time(self, batch: int = 1, scaled: bool = True) -> ExecutorReplayTime:
         """F as the executor pays it for a batch (shared layer calls; measured/modelled compute scale)."""
         p = self.profile
-        return ExecutorReplayTime(p, p.call_overhead, batch, p.compute_scale if scaled else 1.0)
+        return ExecutorReplayTime(p, p.call_overhead, batch, p.compute_scale_for(batch) if scaled else 1.0)
 
     def cost(self, batch: int = 1) -> BlockCost:
         p = self.profile
@@ -332,7 +332,7 @@ class Restorer:
         if method != "cacheflow" or not self.cfg.steal or self.cfg.hedge == 0.0:
             return best
         p = self.profile
-        rt = ExecutorReplayTime(p, p.call_overhead, len(reqs), p.compute_scale * (1.0 - self.cfg.hedge))
+        rt = ExecutorReplayTime(p, p.call_overhead, len(reqs), p.compute_scale_for(len(reqs)) * (1.0 - self.cfg.hedge))
         hedged = make_plan(method, reqs, BlockCost(cost.num_blocks, cost.kv_bytes_per_token, 0.0, replay_time=rt,
                                                    suffix_overhead=cost.suffix_overhead,
                                                    suffix_scale=cost.suffix_scale,
@@ -380,7 +380,7 @@ class Restorer:
         executed = [[b - start for b in bs] for bs, (_, start, _, _) in zip(res.boundaries, picked)]
         modelled = float(sum(G(np.asarray(js)).sum() for js in executed))
         if modelled > 0.05 * res.total_seconds:  # enough staircase to say something
-            prof.observe_compute(res.recompute_seconds, modelled)
+            prof.observe_compute(res.recompute_seconds, modelled, batch=n)
         F = self.replay_time(n)
         sigma = sum(float(F(seq.num_tokens - start)) - float(F(cached - start)) for seq, start, cached, _ in picked)
         prof.observe_suffix(res.suffix_seconds / len(res.suffix_layer_seconds), sigma)

@@ -21,7 +21,7 @@ Besides F and the bandwidth, what the staircase objective needs to predict a res
 layer call takes beyond F(N + Ns) - F(N) (a call's fixed cost cancels out of that difference; before any
 observation the prior is F(1), a one-token call); ``fixed_overhead``, seconds of a restoration outside both
 paths; ``suffix_scale``, the slope of measured suffix calls over F(N + Ns) - F(N) (robust, from calls of different
-lengths); ``compute_scale``, measured over modelled staircase time; and ``call_overhead``, F's intercept (the part
+lengths); ``compute_scale`` (and ``compute_scale_for(batch)``, per batch size), measured over modelled staircase time; and ``call_overhead``, F's intercept (the part
 of a layer call that a batch pays once). The overheads and the compute scale are lower medians of the executor's last
 ``overhead_window`` measurements, not running averages: the first restoration of a process pays one-off costs
 (kernel selection, allocator growth; 10x a warm suffix call on the H200), and an average that starts there kept the
@@ -194,6 +194,7 @@ class LatencyProfile:
         self._suffix_pairs: deque[tuple[float, float]] = deque(maxlen=2 * n)  # (modelled, measured) per block
         self._fixed = _Recent(n)
         self._scale = _Recent(n)
+        self._scale_by_batch: dict[int, _Recent] = {}
         self._lock = threading.Lock()
         self._knots: tuple[tuple[np.ndarray, np.ndarray], tuple] | None = None
 
@@ -250,22 +251,37 @@ class LatencyProfile:
             with self._lock:
                 self._fixed.add(x)
 
-    def observe_compute(self, seconds: float, modelled_seconds: float) -> None:
-        """A staircase took ``seconds`` where the cost model (F summed over its layers) said ``modelled_seconds``.
+    def observe_compute(self, seconds: float, modelled_seconds: float, batch: int = 1) -> None:
+        """A staircase of ``batch`` requests took ``seconds`` where the cost model (F summed over its layers) said
+        ``modelled_seconds``.
 
         F is a per-bucket median of single layer calls; a sum over 30 layers runs at their mean, ~5-10% above the
         median on a shared CPU (a descheduled layer is slow, none is fast), and batched layer calls differ from
         the additive model. The ratio (clamped to [0.5, 2], lower median of the recent ones) scales F in the
-        plan's cost.
+        plan's cost, per batch size: the additive model's error depends on it (H200, 8,192-token requests: one
+        request ran 0.8x its model, four in one batch 1.5x), and one scale for all sizes was wrong for both.
         """
         s, m = float(seconds), float(modelled_seconds)
-        if s > 0 and m > 0 and math.isfinite(s / m):
+        if s > 0 and m > 0 and math.isfinite(s / m) and batch >= 1:
+            r = min(max(s / m, 0.5), 2.0)
             with self._lock:
-                self._scale.add(min(max(s / m, 0.5), 2.0))
+                self._scale.add(r)
+                q = self._scale_by_batch.get(int(batch))
+                if q is None:
+                    q = self._scale_by_batch[int(batch)] = _Recent(self.config.overhead_window)
+                q.add(r)
 
     @property
     def compute_scale(self) -> float:
+        """The measured/modelled compute ratio over all batch sizes (1 before any observation)."""
         return self._scale.value or 1.0
+
+    def compute_scale_for(self, batch: int) -> float:
+        """The ratio for restorations of ``batch`` requests; the all-sizes ratio until that size was observed."""
+        with self._lock:
+            q = self._scale_by_batch.get(int(batch))
+        v = q.value if q is not None else None
+        return v if v is not None else self.compute_scale
 
     @property
     def call_overhead(self) -> float:
@@ -381,6 +397,7 @@ class LatencyProfile:
                 "suffix_pairs": [list(o) for o in self._suffix_pairs],
                 "fixed_overhead": list(self._fixed.values),
                 "compute_scale": list(self._scale.values),
+                "compute_scale_by_batch": {str(b): list(q.values) for b, q in sorted(self._scale_by_batch.items())},
             }
 
     @classmethod
@@ -401,6 +418,7 @@ class LatencyProfile:
         prof._suffix_pairs.extend((float(m), float(x)) for m, x in d.get("suffix_pairs", []))
         prof._fixed = _Recent(n, d.get("fixed_overhead"))
         prof._scale = _Recent(n, d.get("compute_scale"))
+        prof._scale_by_batch = {int(b): _Recent(n, v) for b, v in d.get("compute_scale_by_batch", {}).items()}
         return prof
 
     def to_json(self) -> str:

@@ -274,3 +274,18 @@ def test_suffix_scale_enters_the_plan_as_a_factor_on_sigma() -> None:
     assert plan(req, half, 1e6, 64).predicted_seconds <= plan(req, base, 1e6, 64).predicted_seconds
     with pytest.raises(ValueError, match="suffix_scale"):
         BlockCost(4, 100.0, 0.0, prof, suffix_scale=0.0)
+
+
+def test_compute_scale_is_learned_per_batch_size() -> None:
+    """The additive model errs differently for one request and for a batch: each size keeps its own ratio, and a
+    size never seen uses the ratio over all sizes."""
+    prof = LatencyProfile()
+    for _ in range(3):
+        prof.observe_compute(0.8, 1.0, batch=1)
+        prof.observe_compute(1.5, 1.0, batch=4)
+    assert prof.compute_scale_for(1) == pytest.approx(0.8)
+    assert prof.compute_scale_for(4) == pytest.approx(1.5)
+    assert prof.compute_scale_for(2) == prof.compute_scale  # unseen: the all-sizes lower median
+    assert prof.compute_scale == pytest.approx(0.8)
+    back = LatencyProfile.from_json(prof.to_json())
+    assert back.compute_scale_for(4) == pytest.approx(1.5) and back.compute_scale_for(1) == pytest.approx(0.8)
