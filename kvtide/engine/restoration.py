@@ -241,14 +241,16 @@ class Restorer:
             return gbps(self.cfg.bandwidth_gbps)
         return DEFAULT_BANDWIDTH
 
-    def replay_time(self, batch: int = 1, scaled: bool = True) -> ExecutorReplayTime:
-        """F as the executor pays it for a batch (shared layer calls; measured/modelled compute scale)."""
+    def replay_time(self, batch: int = 1, scaled: bool = True, tokens: int | None = None) -> ExecutorReplayTime:
+        """F as the executor pays it for a batch (shared layer calls; measured/modelled compute scale). ``tokens``:
+        the longest request's prefix, where the shared part of a call is read off F (``call_overhead_at``)."""
         p = self.profile
-        return ExecutorReplayTime(p, p.call_overhead, batch, p.compute_scale_for(batch) if scaled else 1.0)
+        shared = p.call_overhead if tokens is None else p.call_overhead_at(tokens)
+        return ExecutorReplayTime(p, shared, batch, p.compute_scale_for(batch) if scaled else 1.0)
 
-    def cost(self, batch: int = 1) -> BlockCost:
+    def cost(self, batch: int = 1, tokens: int | None = None) -> BlockCost:
         p = self.profile
-        return BlockCost(self.num_layers, self.bytes_per_token, 0.0, replay_time=self.replay_time(batch),
+        return BlockCost(self.num_layers, self.bytes_per_token, 0.0, replay_time=self.replay_time(batch, tokens=tokens),
                          suffix_overhead=p.suffix_overhead, fixed_seconds=p.fixed_overhead,
                          suffix_scale=p.suffix_scale)
 
@@ -327,12 +329,14 @@ class Restorer:
         method = method or self.cfg.method
         reqs = [RestoreRequest(cached - start, seq.num_tokens - cached) for seq, start, cached, _ in picked]
         self.plan_bandwidth = bw = self.bandwidth()
-        cost = self.cost(len(reqs))
+        longest = max(r.cached_tokens for r in reqs)
+        cost = self.cost(len(reqs), longest)
         best = make_plan(method, reqs, cost, bw, self.chunk)
         if method != "cacheflow" or not self.cfg.steal or self.cfg.hedge == 0.0:
             return best
         p = self.profile
-        rt = ExecutorReplayTime(p, p.call_overhead, len(reqs), p.compute_scale_for(len(reqs)) * (1.0 - self.cfg.hedge))
+        rt = ExecutorReplayTime(p, p.call_overhead_at(longest), len(reqs),
+                                p.compute_scale_for(len(reqs)) * (1.0 - self.cfg.hedge))
         hedged = make_plan(method, reqs, BlockCost(cost.num_blocks, cost.kv_bytes_per_token, 0.0, replay_time=rt,
                                                    suffix_overhead=cost.suffix_overhead,
                                                    suffix_scale=cost.suffix_scale,
@@ -376,12 +380,13 @@ class Restorer:
             return
         prof, n = self.profile, len(picked)
         prof.knots()  # the executor's layer times changed F: refit now, off the next plan's clock
-        G = self.replay_time(n, scaled=False)
+        longest = max(cached - start for _, start, cached, _ in picked)
+        G = self.replay_time(n, scaled=False, tokens=longest)
         executed = [[b - start for b in bs] for bs, (_, start, _, _) in zip(res.boundaries, picked)]
         modelled = float(sum(G(np.asarray(js)).sum() for js in executed))
         if modelled > 0.05 * res.total_seconds:  # enough staircase to say something
             prof.observe_compute(res.recompute_seconds, modelled, batch=n)
-        F = self.replay_time(n)
+        F = self.replay_time(n, tokens=longest)
         sigma = sum(float(F(seq.num_tokens - start)) - float(F(cached - start)) for seq, start, cached, _ in picked)
         prof.observe_suffix(res.suffix_seconds / len(res.suffix_layer_seconds), sigma)
         prof.observe_overhead(res.overhead_seconds)

@@ -292,6 +292,21 @@ class LatencyProfile:
         tl, yl, slope0 = pieces[0], pieces[1], pieces[2]
         return min(max(0.0, yl[0] - slope0 * tl[0]), yl[0])
 
+    def call_overhead_at(self, tokens: float) -> float:
+        """The part of a layer call of ~``tokens`` tokens that a batch of such calls pays once: the intercept of F's
+        secant over [tokens/2, tokens], 2 F(t/2) - F(t), in [0, ``call_overhead``].
+
+        F's global intercept is the cost of a nearly empty call; whether batching saves it depends on where the
+        calls sit. Streaming a small model's weights on the CPU (SmolLM2 at 512 tokens) is a fixed cost per call,
+        but an 8B layer over thousands of tokens on the H200 is compute-bound, linear in the tokens of the batch:
+        there F is flat below ~2K tokens (intercept 2.3 ms) yet four 8K-token requests in one call took 1.04x four
+        single calls, and charging each request F(t) - 0.75 x 2.3 ms predicted their staircase at half its time."""
+        c = self.call_overhead
+        t = float(tokens)
+        if c <= 0.0 or t <= 1.0:
+            return c
+        return min(max(0.0, 2.0 * float(self(t / 2)) - float(self(t))), c)
+
     @property
     def suffix_scale(self) -> float:
         """Measured suffix call time over F(N + Ns) - F(N), as a slope: the Theil-Sen median of the pairwise slopes

@@ -289,3 +289,23 @@ def test_compute_scale_is_learned_per_batch_size() -> None:
     assert prof.compute_scale == pytest.approx(0.8)
     back = LatencyProfile.from_json(prof.to_json())
     assert back.compute_scale_for(4) == pytest.approx(1.5) and back.compute_scale_for(1) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("shape", ["weights-bound", "compute-bound"])
+def test_call_overhead_at_reads_the_shared_part_where_the_calls_sit(shape: str) -> None:
+    """A fixed cost per call (F = c + b t) is shared by a batch at any length; a GPU-like F, flat while the device
+    is underused and then linear through ~0, shares nothing at long prefixes (the secant's intercept <= 0)."""
+    prof = LatencyProfile()
+    ts = [256, 512, 1024, 2048, 4096, 8192]
+    for t in ts:
+        y = 6e-3 + 7.5e-5 * t if shape == "weights-bound" else max(2.3e-3, 1.0e-6 * t)
+        for _ in range(3):
+            prof.observe(t, y)
+    assert prof.call_overhead > 0
+    if shape == "weights-bound":
+        assert prof.call_overhead_at(512) == pytest.approx(6e-3, rel=0.05)
+        assert prof.call_overhead_at(8192) == pytest.approx(6e-3, rel=0.05)
+    else:
+        assert prof.call_overhead_at(8192) == pytest.approx(0.0, abs=1e-4)
+        assert prof.call_overhead_at(1024) == pytest.approx(prof.call_overhead, rel=0.05)  # flat: all shared
+    assert 0.0 <= prof.call_overhead_at(3000) <= prof.call_overhead
