@@ -181,6 +181,9 @@ class RestoreResult:
     loaded_tokens: int = 0  # sum over (request, layer) of tokens placed from the store
     layer_recompute_seconds: list[float] = field(default_factory=list)
     suffix_layer_seconds: list[float] = field(default_factory=list)
+    # per suffix layer: did the compute thread reach it before its loads were in (its launch then waited on the
+    # link, and on CUDA its measured time holds the host's launch gaps, not only device work)
+    suffix_layer_paced: list[bool] = field(default_factory=list)
     failures: list[LoadFailure] = field(default_factory=list)
     fallback_requests: list[int] = field(default_factory=list)
     fallback_tokens: int = 0  # positions re-run through every layer by the fallback
@@ -583,6 +586,7 @@ class RestoreExecutor:
         if clock.cuda and st.steal_event is not None:
             torch.cuda.current_stream(port.device).wait_event(st.steal_event)
         for layer in range(port.num_layers):
+            paced = not st.ready[layer].is_set()
             st.ready[layer].wait()
             if clock.cuda and st.cuda_events[layer] is not None:
                 torch.cuda.current_stream(port.device).wait_event(st.cuda_events[layer])
@@ -600,6 +604,7 @@ class RestoreExecutor:
             a = clock.mark()
             h = port.run_layer(layer, h, [Segment(r, jobs[r].cached, jobs[r].total) for r in alive])
             marks.append((a, clock.mark()))
+            res.suffix_layer_paced.append(paced)
         return h, alive, marks, start
 
     def _fallback(

@@ -187,3 +187,17 @@ def test_cacheflow_plans_compute_heavy_with_stealing_and_predicts_the_unbiased_o
         assert r.plan_for(picked).boundaries == plain.boundaries
     finally:
         r.cfg.hedge, r.cfg.steal, r.cfg.method = old
+
+
+def test_suffix_layers_are_marked_paced_only_when_their_loads_were_late(stored) -> None:
+    """A suffix layer reached before its loads were in is marked paced (the planner does not learn suffix cost from
+    it on CUDA); recompute-only has nothing to wait for, and a slow link paces the later layers of a load-only run."""
+    llm, store, ids, want, keys = stored
+    L = llm.engine.model.args.num_layers
+    res, _ = _run(llm, store, ids, keys, [N] * L)
+    assert len(res.suffix_layer_paced) == L == len(res.suffix_layer_seconds) and not any(res.suffix_layer_paced)
+    entry = len(store._read(keys[0].entry_name(0)))
+    link = BandwidthLimitedStore(store, TokenBucket(entry / 0.004))  # 12 ms of link a layer
+    res, got = _run(llm, link, ids, keys, [0] * L, LoadConfig(read_ahead=1))
+    assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
+    assert len(res.suffix_layer_paced) == L and sum(res.suffix_layer_paced) >= L // 2
