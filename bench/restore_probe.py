@@ -16,19 +16,18 @@ import json
 import platform
 import statistics
 import sys
-from datetime import datetime, timezone
-from pathlib import Path
-
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import restore as R  # noqa: E402
+import restore as R
 
-from kvtide.engine.restore_port import EnginePort  # noqa: E402
-from kvtide.restore.executor import LoadConfig  # noqa: E402
+from kvtide.engine.restore_port import EnginePort
+from kvtide.restore.executor import LoadConfig
 
 HOST: list[tuple[int, int, float]] = []  # (layer, rows, host seconds) of every layer call
 
@@ -46,7 +45,7 @@ def _host_split(suffix_rows: int) -> dict:
     """Median host seconds per layer call, staircase vs suffix (calls since the last reset)."""
     st = [x[2] for x in HOST if x[1] != suffix_rows]
     su = [x[2] for x in HOST if x[1] == suffix_rows]
-    med = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
+    med = lambda v: statistics.median(v) if v else 0.0
     return {"stair_calls": len(st), "stair_host_ms_median": 1e3 * med(st), "stair_host_ms_sum": 1e3 * sum(st),
             "suffix_calls": len(su), "suffix_host_ms_median": 1e3 * med(su), "suffix_host_ms_sum": 1e3 * sum(su)}
 
@@ -124,7 +123,7 @@ def main() -> None:
         med.setdefault((r["gbps"], r["batch"], r["method"]), []).append(r)
     summary = [{"gbps": k[0], "batch": k[1], "method": k[2],
                 **{x: statistics.median(r[x] for r in v) for x in KEYS + HOST_KEYS}} for k, v in med.items()]
-    out = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "torch": torch.__version__,
+    out = {"when": datetime.now(UTC).isoformat(), "machine": platform.platform(), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if gpu else None, "model": a.model,
            "random_weights": a.model.startswith("random:"), "attention_backend": b.eng.runner.attention.name,
            "switch_interval_s": sys.getswitchinterval(),

@@ -9,8 +9,9 @@ max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1):
   this one is verified and placed (``read_ahead``), so the link keeps moving bytes while the CPU checks them.
   Each entry is verified by the store (checksum, length, token ids) without a copy, checked for shape, and copied
   once into the request's pages of that layer (whole pages: loads are chunk-aligned). On CUDA the entries of a
-  batch go into a pinned staging buffer (a ring of two, reused across batches once their copy event has
-  passed), then one non-blocking host-to-device copy and the page writes run on the I/O thread's own stream.
+  batch go into a pinned staging buffer (torch's caching host allocator hands a block out again only after its
+  copy has finished), then one non-blocking host-to-device copy and the page writes run on the I/O thread's own
+  stream.
   Verify + stage run on ``LoadConfig.workers`` threads (XXH3 and tensor copies release the GIL); 0 on CPU,
   where the one other core is the compute thread's, and 2 on CUDA: more verify threads slow the compute thread's
   kernel launches (8 with CRC-32 records doubled its layer times on the H200) for a load path that 2 keep at
@@ -127,8 +128,8 @@ class LoadConfig:
     ``batch_bytes``: raw bytes per ``fetch`` (one store round trip; on CUDA one staging slot and one
     host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
     the CPU verifies). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
-    CPU device (its spare core already runs this thread) and min(2, cores // 2) on CUDA (see the module docstring). ``steal``: see the
-    module docstring.
+    CPU device (its spare core already runs this thread) and min(2, cores // 2) on CUDA (see the module docstring).
+    ``steal``: see the module docstring.
     """
 
     batch_bytes: int = 64 << 20

@@ -21,8 +21,9 @@ Besides F and the bandwidth, what the staircase objective needs to predict a res
 layer call takes beyond F(N + Ns) - F(N) (a call's fixed cost cancels out of that difference; before any
 observation the prior is F(1), a one-token call); ``fixed_overhead``, seconds of a restoration outside both
 paths; ``suffix_scale``, the slope of measured suffix calls over F(N + Ns) - F(N) (robust, from calls of different
-lengths); ``compute_scale`` (and ``compute_scale_for(batch)``, per batch size), measured over modelled staircase time; and ``call_overhead``, F's intercept (the part
-of a layer call that a batch pays once). The overheads and the compute scale are lower medians of the executor's last
+lengths); ``compute_scale`` (and ``compute_scale_for(batch)``, per batch size), measured over modelled staircase
+time; and ``call_overhead``, F's intercept (the part of a layer call that a batch pays once; ``call_overhead_at(t)``
+reads that part off F near t). The overheads and the compute scale are lower medians of the executor's last
 ``overhead_window`` measurements, not running averages: the first restoration of a process pays one-off costs
 (kernel selection, allocator growth; 10x a warm suffix call on the H200), and an average that starts there kept the
 suffix estimate 7x high for many restorations, so plans loaded far more than they should (measured: CacheFlow
