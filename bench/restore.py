@@ -18,6 +18,7 @@ Every method replays the same arrivals from the same store snapshot.
     python bench/restore.py                 # --quick, ~12 min on a quiet 2-core CPU
     python bench/restore.py --full          # more lengths, bandwidths, requests
     python bench/restore.py --device cuda --model random:llama3-8b     # the H200 run, < 8 min
+    python bench/restore.py --device cuda --model random:llama3-8b --no-isolated   # the trace replay alone
 """
 from __future__ import annotations
 
@@ -296,7 +297,7 @@ def goals(rows: list[dict], summary: list[dict], trace: dict | None, layers: int
     """The issue's goals (a)-(d) over the whole run, as measured (see summarize_isolated)."""
     cf = [r for r in rows if r["method"] == "cacheflow"]
     errs = [abs(_err(r)) for r in cf]
-    g: dict = {
+    g: dict = {} if not cf else {
         "a_fraction_of_ideal_gain": {f"{s['tokens']}tok/{s['gbps']:g}Gbps/b{s['batch']}":
                                      s["cacheflow_fraction_of_ideal_gain"] for s in summary},
         "a_fraction_of_ideal_gain_min": min(s["cacheflow_fraction_of_ideal_gain"] for s in summary),
@@ -378,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-pages", type=int, default=None)
     ap.add_argument("--max-batched-tokens", type=int, default=None)
     ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--no-isolated", action="store_true",
+                    help="skip the isolated restorations (the trace replay alone, e.g. inside one GPU call's time limit)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch compute threads (CPU default 1: on a shared 2-core machine a second OpenMP thread "
                          "stalls at every barrier when descheduled; 1 compute thread + the I/O thread is also the "
@@ -442,12 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         links = [(round(bs / a.trace_ratio, 5), f"10 Gbps-equivalent (B*/{a.trace_ratio:g})")]
         if full:
             links.append((round(bs, 5), "balance B*"))
-    n_iso = len(a.lengths) * len(a.bandwidths) * len(a.batches) * len(ORDER) * a.reps
+    n_iso = 0 if a.no_isolated else len(a.lengths) * len(a.bandwidths) * len(a.batches) * len(ORDER) * a.reps
     n_tr = 0 if a.no_trace else len(links) * len(ORDER) * a.requests
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=con, disable=a.no_progress) as prog:
         t1 = prog.add_task("isolated restorations", total=n_iso)
-        iso = b.isolated(a.lengths, a.bandwidths, a.batches, a.reps, lambda: prog.advance(t1))
+        iso = [] if a.no_isolated else b.isolated(a.lengths, a.bandwidths, a.batches, a.reps, lambda: prog.advance(t1))
         trace = None
         if not a.no_trace:
             t2 = prog.add_task("trace replay (first tokens)", total=n_tr)
@@ -455,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     L = args.num_layers
     summary = summarize_isolated(iso, L)
     g = goals(iso, summary, trace, L)
-    tag = f"{a.model.replace(':', '_')}_{a.device.split(':')[0]}{'_full' if full else ''}"
+    tag = (f"{a.model.replace(':', '_')}_{a.device.split(':')[0]}{'_full' if full else ''}"
+           f"{'_trace' if a.no_isolated else ''}")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
@@ -508,6 +512,8 @@ def _profile_state(prof) -> dict:
 def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
     from rich.table import Table
 
+    if not summary:
+        con.print("isolated restorations: not run (--no-isolated)")
     t = Table(title="isolated restorations: gain over the best single resource (ideal = 1 + min/max)")
     for c in ("tokens", "Gbps", "batch", "T_rec s", "T_load s", "ideal", "CacheFlow", "Cake", "layer-wise",
               "of ideal", "pred err", "<=10%"):
@@ -518,7 +524,8 @@ def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
                   f"{s['t_load_s']:.2f}", f"{s['ideal_gain']:.2f}x", f"{gg['cacheflow']:.2f}x", f"{gg['cake']:.2f}x",
                   f"{gg['layerwise']:.2f}x", f"{s['cacheflow_fraction_of_ideal_gain']:.0%}",
                   f"{s['cacheflow_pred_error_median']:.0%}", f"{s['cacheflow_within_10pct']:.0%}")
-    con.print(t)
+    if summary:
+        con.print(t)
     if trace is not None:
         t = Table(title=f"trace replay: TTFT over {trace['requests']} requests (s), offered "
                         f"{trace['offered_req_per_s']:.3f} req/s = {trace['offered_load']} x recompute-only saturation")
