@@ -300,7 +300,7 @@ class LatencyProfile:
         F's global intercept is the cost of a nearly empty call; whether batching saves it depends on where the
         calls sit. Streaming a small model's weights on the CPU (SmolLM2 at 512 tokens) is a fixed cost per call,
         but an 8B layer over thousands of tokens on the H200 is compute-bound, linear in the tokens of the batch:
-        there F is flat below ~2K tokens (intercept 2.3 ms) yet four 8K-token requests in one call took 1.04x four
+        there F is flat below ~2K tokens (intercept 2.3 ms) yet four 8K-token requests in one call took 1.02-1.04x four
         single calls, and charging each request F(t) - 0.75 x 2.3 ms predicted their staircase at half its time."""
         c = self.call_overhead
         t = float(tokens)
