@@ -164,13 +164,13 @@ def replay_times(fn: ReplayTime, tokens: Sequence[int] | np.ndarray) -> np.ndarr
         uniq, inv = np.unique(flat, return_inverse=True)
         u = np.fromiter((float(fn(int(x))) for x in uniq), dtype=np.float64, count=uniq.size)
         vals = u[inv.ravel()]
-    if not np.isfinite(vals).all() or vals.min() < 0:
+    if not (vals.min() >= 0 and vals.max() < np.inf):  # NaN fails both
         raise ValueError("replay_time must return finite values >= 0")
     if flat.size > 1:
-        order = None if (flat[1:] >= flat[:-1]).all() else np.argsort(flat, kind="stable")
+        order = None if (flat[1:] >= flat[:-1]).all() else flat.argsort(kind="stable")
         sv = vals if order is None else vals[order]
-        drop = np.diff(sv)
-        if (drop < 0).any():
+        if not (sv[1:] >= sv[:-1]).all():
+            drop = sv[1:] - sv[:-1]
             scale = max(float(sv.max()), 1e-300)
             if (drop < -1e-9 * scale).any():
                 i = int(np.argmin(drop))
@@ -252,19 +252,20 @@ def price_staircase(
     s, R = cost.kv_bytes_per_token, cost.state_bytes
     Nc = N[:, None]
     P_r = FJ.sum(1)
-    Q_r = (s * (Nc - J) + R * (J < Nc)).sum(1)
-    rec_tok = J.sum(1)
-    load_tok = (Nc - J).sum(1)
+    loaded = Nc - J
+    Q_r = (s * loaded + R * (J < Nc) if R else s * loaded).sum(1)  # R = 0: the same floats, fewer numpy calls
     per = tuple(
         RequestCost(
-            recompute_seconds=float(P_r[i]),
-            load_bytes=float(Q_r[i]),
-            load_seconds=float(Q_r[i]) / bandwidth,
-            suffix_seconds_per_block=float(sigma[i]),
-            recomputed_tokens=int(rec_tok[i]),
-            loaded_tokens=int(load_tok[i]),
+            recompute_seconds=p,
+            load_bytes=q,
+            load_seconds=q / bandwidth,
+            suffix_seconds_per_block=sg,
+            recomputed_tokens=rt,
+            loaded_tokens=lt,
+        )  # Python scalars from .tolist(): batches are small and indexing arrays per field costs more
+        for p, q, sg, rt, lt in zip(
+            P_r.tolist(), Q_r.tolist(), sigma.tolist(), J.sum(1).tolist(), loaded.sum(1).tolist()
         )
-        for i in range(N.size)
     )
     P, Q = float(P_r.sum()), float(Q_r.sum())
     sig = float(sigma.sum()) + suffix_call(cost, sigma.size > 0 and has_suffix)

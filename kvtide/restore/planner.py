@@ -35,6 +35,7 @@ staircase on the chunk grid. With only R rounded (tau divides every N_r) this is
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -65,6 +66,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_DP_WORK = 20_000_000
+_BASE_OFFSETS = np.array([[2], [1], [0]])  # candidate base levels below the crossing (``_solve_fast``)
 
 
 @dataclass
@@ -114,6 +116,7 @@ class _Setup:
     """Per-batch numbers shared by both solvers."""
 
     N: np.ndarray  # cached tokens per request
+    Nl: list[int]  # the same, as Python ints: batches are small, and plain Python beats a numpy call on them
     L: int
     s: float
     R: float
@@ -151,34 +154,39 @@ def plan(
     if not requests:
         return Plan(boundaries=[], predicted_seconds=0.0, method="empty", chunk=C)
 
-    N = np.array([r.cached_tokens for r in requests], dtype=np.int64)
-    Ns = np.array([r.suffix_tokens for r in requests], dtype=np.int64)
+    Nl = [r.cached_tokens for r in requests]
+    Nsl = [r.suffix_tokens for r in requests]
+    n = len(Nl)
+    N = np.array(Nl, dtype=np.int64)
     s, R = cost.kv_bytes_per_token, cost.state_bytes
-    kmax = int(-(-N.max() // C))
-    grid_tokens = np.minimum(np.arange(kmax + 1, dtype=np.int64) * C, N.max())
-    vals = replay_times(cost.replay_time, np.concatenate([grid_tokens, N, N + Ns]))  # one call: F may be a profile
-    f_grid, fN, fNs = vals[: kmax + 1], vals[kmax + 1:kmax + 1 + N.size], vals[kmax + 1 + N.size:]
-    if np.any(fNs < fN):
+    kmax = -(-max(Nl) // C)
+    # F in one call (it may be a profile) at the grid min(i C, max N) for i = 0..kmax, then at N, then at N + Ns
+    grid_tokens = [*range(0, kmax * C, C), max(Nl)]
+    vals = replay_times(cost.replay_time, grid_tokens + Nl + [a + b for a, b in zip(Nl, Nsl)])
+    f_grid, fN, fNs = vals[: kmax + 1], vals[kmax + 1:kmax + 1 + n], vals[kmax + 1 + n:]
+    if (fNs < fN).any():
         raise ValueError("replay_time must be nondecreasing (F(N + Ns) < F(N))")
     sigma = (fNs - fN) * cost.suffix_scale
-    has_suffix = bool((Ns > 0).any())
+    has_suffix = any(Nsl)
     sig = float(sigma.sum()) + suffix_call(cost, has_suffix)
-    A0 = float(L * (s * N + R * (N > 0)).sum())
-    st = _Setup(N=N, L=L, s=s, R=R, B=B, C=C, c1=L * sig, c2=sig, A0=A0)
+    full_load = s * N + R * (N > 0) if R else s * N  # bytes a block loads with no recompute (same floats)
+    A0 = float(L * full_load.sum())
+    st = _Setup(N=N, Nl=Nl, L=L, s=s, R=R, B=B, C=C, c1=L * sig, c2=sig, A0=A0)
 
     fast_ok = method != "dp" and _fast_applies(st, f_grid)
     if method == "fast" or (method == "auto" and fast_ok):
         if not fast_ok:
             raise ValueError("method='fast' needs R == 0, N_r % chunk == 0 and F convex on the grid for t > 0")
-        counts = _solve_single(st, f_grid) if N.size == 1 and method == "auto" else _solve_fast(st, f_grid)
+        cnt = _solve_single(st, f_grid) if n == 1 and method == "auto" else _solve_fast(st, f_grid)
         bound = 0.0
         name = "fast"
     else:
-        counts, bound = _solve_dp(st, f_grid, fN, max_dp_work)
+        cnt, bound = _solve_dp(st, f_grid, fN, max_dp_work)
         name = "dp"
-    cnt = -np.sort(-np.asarray(counts, dtype=np.int64).reshape(len(requests), L), axis=1)
-    J = np.minimum(cnt * C, N[:, None])
-    FJ = np.where(J == N[:, None], fN[:, None], f_grid[np.minimum(cnt, kmax)])
+    # cnt: grid index per [request, block], non-increasing along each row (already a staircase)
+    Nc = N[:, None]
+    J = np.minimum(cnt * C, Nc)
+    FJ = np.where(J == Nc, fN[:, None], f_grid[np.minimum(cnt, kmax)])
     ev = price_staircase(N, J, FJ, sigma, cost, B, has_suffix)
     return Plan.from_cost(
         J.tolist(),
@@ -195,142 +203,175 @@ def plan(
 
 
 def _fast_applies(st: _Setup, f: np.ndarray) -> bool:
-    if st.R != 0.0 or (st.N % st.C).any():
+    if st.R != 0.0 or any(v % st.C for v in st.Nl):
         return False
     h = f[1:]
     if h.size < 3:
         return True
     d2 = h[2:] - 2 * h[1:-1] + h[:-2]
-    return bool((d2 >= -1e-12 * max(float(h[-1]), 1e-300)).all())
+    return float(d2.min()) >= -1e-12 * max(float(h[-1]), 1e-300)
 
 
-def _solve_single(st: _Setup, f: np.ndarray) -> list[list[int]]:
+def _solve_single(st: _Setup, f: np.ndarray) -> np.ndarray:
     """One request, ``fast`` conditions: min over k on-blocks and m chunks of max(compute, load), exactly.
 
     h[c-1] = F(cC) is the cost of a block that recomputes c >= 1 chunks; with k such blocks and m chunks in all,
     water-filling gives compute k h(q) + e (h(q+1) - h(q)) at q = m // k. At m = k q compute and load are
     tabulated for all (k, q); per k the crossing lies in the last segment [kq, k(q+1)] where compute <= load,
-    and the best m there is the floor or ceil of the linear crossing.
+    and the best m there is the floor or ceil of the linear crossing. Returns chunks per block, [1, L].
     """
     L, C = st.L, st.C
-    K = int(st.N[0] // C)
+    K = st.Nl[0] // C
+    out = np.zeros((1, L), dtype=np.int64)
     if K == 0:
-        return [[0] * L]
+        return out
     u = st.s * C / st.B  # load seconds per chunk
     h = f[1:K + 1]
-    k = np.arange(1, L + 1, dtype=np.float64)[:, None]  # [L, 1]
-    q = np.arange(1, K + 1, dtype=np.float64)[None, :]  # [1, K]
-    comp = st.c1 + k * h[None, :]  # at m = k q
-    load = st.c2 + (L * K - k * q) * u
-    below = comp <= load
-    q0 = below.sum(1)  # levels q <= q0 have compute <= load (compute rises, load falls in q)
-    qi = np.maximum(q0, 1).astype(np.int64)  # segment start level (q0 = 0: start at q = 1, m = k)
-    kk = k[:, 0]
-    dh = np.append(np.diff(h), np.inf)[qi - 1]  # slope per extra chunk above level qi (none above K)
-    c0 = st.c1 + kk * h[qi - 1]
-    l0 = st.c2 + (L * K - kk * qi) * u
-    t = np.clip(np.maximum(l0 - c0, 0.0) / np.where(np.isfinite(dh), dh + u, np.inf), 0, np.where(qi < K, kk, 0))
-    cand = np.stack([np.floor(t), np.ceil(t)])  # [2, L]
-    cand = np.minimum(cand, np.where(qi < K, kk, 0)[None, :])
-    dhc = np.where(np.isfinite(dh), dh, 0.0)
-    T = np.maximum(c0 + cand * dhc, l0 - cand * u)  # [2, L]
-    i = np.unravel_index(int(np.argmin(T)), T.shape)
-    best = float(T[i])
+    k = np.arange(1, L + 1, dtype=np.float64)
+    comp = st.c1 + k[:, None] * h  # [L, K], at m = k q
+    load = st.c2 + (L * K - k[:, None] * np.arange(1, K + 1)) * u
+    # compute rises and load falls in q, so levels with compute <= load are a prefix; the segment starts at
+    # level qi (none: at q = 1, m = k), where compute and load are the table entries [k, qi - 1]
+    qi = np.maximum((comp <= load).sum(1), 1)
+    at = qi + np.arange(-1, L * K - 1, K)
+    c0, l0 = comp.take(at), load.take(at)
+    top = qi < K  # a level above qi exists
+    dh = np.concatenate((h[1:] - h[:-1], (np.inf,))).take(qi - 1)  # slope per extra chunk above level qi
+    # the linear crossing, in [0, k] chunks above level qi (>= 0, so only the upper clip matters, and floor
+    # and ceil of a value in [0, k] stay in it)
+    t = np.minimum(np.maximum(l0 - c0, 0.0) / (dh + u), k * top)
+    cand = np.empty((2, L))
+    np.floor(t, out=cand[0])
+    np.ceil(t, out=cand[1])
+    T = np.maximum(c0 + cand * np.where(top, dh, 0.0), l0 - cand * u)  # [2, L]
+    row, col = divmod(int(T.argmin()), L)
     all_load = max(st.c1, st.c2 + L * K * u)
-    if all_load <= best:
-        return [[0] * L]
-    nk, level, extra = int(i[1]) + 1, int(qi[i[1]]), int(cand[i])
-    row = [level + 1] * extra + [level] * (nk - extra) + [0] * (L - nk)
-    return [row]
+    if all_load <= float(T[row, col]):
+        return out
+    level, extra = int(qi[col]), int(cand[row, col])
+    out[0, :col + 1] = level
+    out[0, :extra] += 1
+    return out
 
 
-def _solve_fast(st: _Setup, f: np.ndarray) -> list[list[int]]:
+def _solve_fast(st: _Setup, f: np.ndarray) -> np.ndarray:
     """Exact for setup-convex f: min over k (blocks that recompute) of a convex water-filling problem.
 
     Items are grouped by cap K_r = N_r / C (largest first); for k on-blocks the on-set is the first k items.
     At level q every on-block holds 1 + min(K_g - 1, q) chunks; between levels q-1 and q the least
     recompute rises linearly (dh[q-1] per avoided chunk), so each k's optimum is at the level where
-    compute overtakes load, refined to the best integer point inside that segment.
-    """
-    L, C = st.L, st.C
-    K = (st.N // C).astype(np.int64)
-    caps, counts_per_cap = np.unique(K[K > 0], return_counts=True)
-    if caps.size == 0:
-        return [[0] * L for _ in st.N]
-    caps, sizes = caps[::-1], counts_per_cap[::-1] * L  # largest caps first
-    capp = caps - 1
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    h = f[1:]  # h[c'] = F((c'+1) C)
-    dh = np.diff(h) if h.size > 1 else np.zeros(1)
-    unit_s = st.s * C / st.B  # seconds of load per avoided chunk
-    ks = np.arange(int(sizes.sum()) + 1, dtype=np.int64)
-    m = np.minimum(np.maximum(ks[:, None] - starts[None, :], 0), sizes[None, :]).astype(np.float64)  # [k, g]
-    qtop = int(capp[0])
-    kf = ks.astype(np.float64)
+    compute overtakes load, refined to the best integer point inside that segment. Returns chunks per block.
 
-    # Crossing level per k: compute >= load  <=>  Psi_k(q) = sum_g m_kg psi(min(capp_g, q)) >= rhs_k with
+    Work is vectorised over k; m[g, k] (on-blocks of group g) is full before group grp[k], pk[k] in it and 0
+    after it, so a sum over g taken in group order is a prefix over the full groups (a small [group, level]
+    table) plus pk times the grp[k] term: the same floats as summing m over every group, for less work.
+    """
+    L, C, n = st.L, st.C, len(st.Nl)
+    K = [v // C for v in st.Nl]
+    out = np.zeros((n, L), dtype=np.int64)
+    caps_l = sorted(set(K) - {0}, reverse=True)  # largest caps first
+    if not caps_l:
+        return out
+    sizes_l = [L * K.count(c) for c in caps_l]
+    ends_l = list(itertools.accumulate(sizes_l))
+    ng, total, Q = len(caps_l), ends_l[-1], caps_l[0]  # Q levels 0..qtop
+    qtop = Q - 1
+    # per cap interval j: [lowest level, highest level (capp_j = K_j - 1), on-blocks up to group j]
+    by_j = np.array([caps_l[1:] + [0], [c - 1 for c in caps_l], ends_l])
+    capp, ends = by_j[1], by_j[2]
+    sizes = np.array(sizes_l, dtype=np.float64)
+    h = f[1:]  # h[c'] = F((c'+1) C)
+    dh = h[1:] - h[:-1] if h.size > 1 else np.zeros(1)
+    unit_s = st.s * C / st.B  # seconds of load per avoided chunk
+    ks = np.arange(total + 1)
+    kf = ks.astype(np.float64)
+    grp = np.minimum(ends.searchsorted(ks, side="right"), ng - 1)
+    pk = kf - (ends - sizes).take(grp)  # on-blocks in group grp[k]
+
+    # Crossing level per k: compute >= load  <=>  Psi_k(q) = sum_g m_gk psi(min(capp_g, q)) >= rhs_k with
     # psi(q) = h(q) + u q strictly increasing, so one searchsorted per k inside the right cap interval.
     psi = h + unit_s * np.arange(h.size)
     rhs = st.A0 / st.B + st.c2 - st.c1 - unit_s * kf
-    ng = capp.size
-    at_caps = psi[np.minimum(capp[:, None], capp[None, :])]  # [g, j]: psi(min(capp_g, capp_j))
-    Psi_caps = (m[:, :, None] * at_caps[None, :, :]).sum(1)  # [k, j]
-    ok = Psi_caps >= rhs[:, None] - 1e-12 * np.abs(rhs[:, None])
-    # intervals in increasing q: j = ng-1 covers [0, capp_{ng-1}], j < ng-1 covers [capp_{j+1}+1, capp_j]
-    first = np.where(ok[:, 0], ng - 1 - ok[:, ::-1].argmax(1), -1)  # ok is monotone: ok[:, 0] = any
+    at_caps = psi[np.minimum(capp[:, None], capp)]  # [j, g] = [g, j]: psi(min(capp_g, capp_j))
+    pref = np.zeros((ng, ng + 1))  # [j, p]: sum over the full groups g < p
+    np.add.accumulate(at_caps * sizes, axis=1, out=pref[:, 1:])
+    Psi_caps = pref.take(grp, axis=1) + pk * at_caps.take(grp, axis=1)  # [j, k] = Psi_k(capp_j)
+    # intervals in increasing q: j = ng-1 covers [0, capp_{ng-1}], j < ng-1 covers [capp_{j+1}+1, capp_j];
+    # Psi_caps falls in j, so the j where it reaches rhs are a prefix and the crossing is in the last of them
+    first = (Psi_caps >= rhs - 1e-12 * np.abs(rhs)).sum(0) - 1
     j = np.maximum(first, 0)
-    lo_j = np.where(j == ng - 1, 0, capp[np.minimum(j + 1, ng - 1)] + 1)
-    free = np.cumsum(m, 1)[ks, j]  # on-blocks still below their cap in interval j
-    sat_all = np.cumsum((m * psi[capp][None, :])[:, ::-1], 1)[:, ::-1]  # [k, g]: sum_{g' >= g}
-    sat = np.where(j + 1 < ng, sat_all[ks, np.minimum(j + 1, ng - 1)], 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        target = np.where(free > 0, (rhs - sat) / free, -np.inf)
-    q_in = np.minimum(np.maximum(np.searchsorted(psi, target, side="left"), lo_j), capp[j])
-    qs = np.where(first >= 0, q_in, qtop + 1)
+    lo_j, cap_j, end_j = by_j.take(j, axis=1)
+    free = np.minimum(kf, end_j)  # on-blocks still below their cap in interval j (>= 1 for k >= 1)
+    sat = 0.0  # sum over the groups after j of m psi(capp_g), accumulated from the last group
+    if ng > 1:
+        m = np.minimum(np.maximum(kf - (ends - sizes)[:, None], 0.0), sizes[:, None])  # [g, k]
+        mv = m * psi.take(capp)[:, None]
+        acc = np.zeros((ng + 1, total + 1))
+        for g in range(ng - 1, -1, -1):
+            np.add(acc[g + 1], mv[g], out=acc[g])
+        sat = acc.take((j + 1) * (total + 1) + ks)
+    free[0] = 1.0
+    target = (rhs - sat) / free
+    target[0] = -np.inf  # k = 0: nothing to place
+    qs = np.where(first >= 0, np.minimum(np.maximum(psi.searchsorted(target), lo_j), cap_j), Q)
 
-    # Refine inside the segment below the crossing (and its neighbours, against rounding at the boundary);
-    # rows are the three candidate base levels, columns k.
-    base = np.minimum(np.maximum(qs[None, :] - np.array([[2], [1], [0]]), 0), qtop)
-    lv = np.minimum(capp[None, None, :], base[:, :, None])
-    X0 = kf + (m[None] * lv).sum(2)
-    comp0 = (m[None] * h[lv]).sum(2) + st.c1
+    # Refine inside the segment below the crossing (and its neighbours, against rounding at the boundary):
+    # rows are the three candidate base levels, columns k; [group, level] tables read at (grp[k], base).
+    base = np.minimum(np.maximum(qs - _BASE_OFFSETS, 0), qtop)
+    levels = np.arange(Q)
+    # per group g and level q, for one on-block (odd rows) and summed over the full groups before g in group
+    # order (even rows): recompute, chunks above its first, and whether it is below its cap
+    tab = np.empty((6, ng, Q))
+    lvl = np.minimum(capp[:, None], levels)
+    tab[1] = h[lvl]
+    tab[3] = lvl
+    tab[5] = capp[:, None] > levels
+    tab[0:6:2, 0] = 0.0
+    np.add.accumulate(tab[1:6:2, :-1] * sizes[:-1, None], axis=1, out=tab[0:6:2, 1:])
+    G = tab.reshape(6, -1).take(grp * Q + base, axis=1)  # [6, 3, k]
+    if ng < 8:  # numpy adds fewer than 8 terms in order: this is its sum of m * recompute over the groups
+        comp0 = G[0] + pk * G[1] + st.c1
+    else:  # it adds 8 or more pairwise: sum all [3, k, g] terms the same way
+        terms = tab[1].T.take(base, axis=0)
+        terms *= m.T
+        comp0 = terms.sum(2) + st.c1
+    X0 = kf + (G[2] + pk * G[3])  # integers: exact in any order
+    seg = G[4] + pk * G[5]
     load0 = (st.A0 - st.s * C * X0) / st.B + st.c2
-    seg = (m[None] * (capp[None, None, :] > base[:, :, None])).sum(2)
-    slope = np.where(seg > 0, dh[np.minimum(base, dh.size - 1)], 0.0)
+    slope = np.where(seg > 0, dh.take(np.minimum(base, dh.size - 1)), 0.0)
     tstar = np.maximum(load0 - comp0, 0.0) / (slope + unit_s)
-    tt = np.minimum(np.concatenate([np.floor(tstar), np.ceil(tstar)]), np.concatenate([seg, seg]))
-    slope2, comp2, load2 = (np.concatenate([x, x]) for x in (slope, comp0, load0))
-    Tt = np.maximum(comp2 + tt * slope2, load2 - tt * unit_s)  # [6, k]
-    pick = Tt.argmin(0)
-    T = Tt[pick, ks]
-    best_base = np.concatenate([base, base])[pick, ks]
-    best_t = tt[pick, ks].astype(np.int64)
-    kb = int(np.argmin(T))
-    q = int(best_base[kb])
-    extra = int(best_t[kb])
+    tt = np.empty((2,) + tstar.shape)  # floor and ceil of the crossing, at most the segment
+    np.floor(tstar, out=tt[0])
+    np.ceil(tstar, out=tt[1])
+    np.minimum(tt, seg, out=tt)
+    Tt = np.maximum(comp0 + tt * slope, load0 - tt * unit_s).reshape(6, -1)  # [floor/ceil x base, k]
+    kb = int(Tt.min(0).argmin())
+    pick = int(Tt[:, kb].argmin())
+    q = int(base[pick % 3, kb])
+    extra = int(tt.reshape(6, -1)[pick, kb].astype(np.int64))
 
     # Hand the chosen multiset back to requests: on-blocks go to the largest caps first.
-    out = np.zeros((len(st.N), L), dtype=np.int64)
     left = kb
-    for r in np.argsort(-K, kind="stable"):
+    for r in sorted(range(n), key=lambda r: -K[r]):
         if left == 0 or K[r] == 0:
             break
         n_on = min(L, left)
         left -= n_on
-        cg = int(K[r]) - 1
+        cg = K[r] - 1
         out[r, :n_on] = 1 + min(cg, q)
         if cg > q and extra:
             add = min(extra, n_on)
             out[r, :add] += 1
             extra -= add
-    return out.tolist()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the DP
 
 
-def _solve_dp(st: _Setup, f: np.ndarray, fN: np.ndarray, max_work: int) -> tuple[list[list[int]], float]:
-    """The paper's DP over all (request, block) items; returns grid indices per item and the bound."""
+def _solve_dp(st: _Setup, f: np.ndarray, fN: np.ndarray, max_work: int) -> tuple[np.ndarray, float]:
+    """The paper's DP over all (request, block) items; returns grid indices [request, block] (each row
+    non-increasing) and the bound."""
     L, C, s = st.L, st.C, st.s
     tau = int(np.gcd.reduce(np.concatenate([[C], st.N])))
     # Per request: grid points (tokens), their recompute cost and exact avoided bytes a(j) = d(0) - d(j).
@@ -405,4 +446,4 @@ def _solve_dp(st: _Setup, f: np.ndarray, fN: np.ndarray, max_work: int) -> tuple
         counts[r].append(idx)
         x -= int(us[r][idx])
     assert x == 0
-    return counts, bound
+    return -np.sort(-np.array(counts, dtype=np.int64).reshape(len(grids), L), axis=1), bound

@@ -151,6 +151,27 @@ def test_fast_and_dp_agree_on_medium_instances() -> None:
         assert a.predicted_seconds == pytest.approx(b.predicted_seconds, rel=1e-9)
 
 
+def test_fast_and_dp_agree_with_many_distinct_caps() -> None:
+    """Up to 10 requests with distinct caps: the fast solver's per-group sums, below 8 groups from prefix tables
+    and from 8 on summed in full, against the DP."""
+    rng = random.Random(13)
+    for _ in range(40):
+        C = rng.choice([1, 4])
+        L = rng.randint(1, 3)
+        caps = rng.sample(range(1, 14), rng.randint(5, 10))
+        reqs = [RestoreRequest(c * C, rng.randint(0, 20)) for c in caps]
+        F = AnalyticReplayTime(
+            overhead=rng.choice([0.0, rng.random()]), per_token=rng.random(), per_token_sq=rng.random() * 0.05
+        )
+        cost = BlockCost(L, rng.uniform(0.1, 3.0), 0.0, F)
+        B = rng.uniform(0.2, 5.0)
+        a = plan(reqs, cost, B, C, method="fast")
+        b = plan(reqs, cost, B, C, method="dp")
+        assert a.method == "fast" and b.method == "dp" and b.exact
+        assert_valid(a, reqs, L, C)
+        assert a.predicted_seconds == pytest.approx(b.predicted_seconds, rel=1e-9)
+
+
 def test_auto_uses_fast_path_only_when_it_is_exact() -> None:
     F = AnalyticReplayTime(overhead=1e-4, per_token=1e-6, per_token_sq=1e-11)
     cost = BlockCost(4, 100.0, 0.0, F)
