@@ -309,3 +309,40 @@ def test_call_overhead_at_reads_the_shared_part_where_the_calls_sit(shape: str) 
         assert prof.call_overhead_at(8192) == pytest.approx(0.0, abs=1e-4)
         assert prof.call_overhead_at(1024) == pytest.approx(prof.call_overhead, rel=0.05)  # flat: all shared
     assert 0.0 <= prof.call_overhead_at(3000) <= prof.call_overhead
+
+
+def test_load_fit_separates_rate_from_per_batch_cost() -> None:
+    """seconds = bytes / B + batches x r: recovered from loads of different bytes per batch; None before they
+    differ enough (same bytes per batch cannot tell a slower link from a per-batch cost); kept through JSON;
+    forgotten with the bandwidth (a new link)."""
+    prof = LatencyProfile()
+    B, r = 5e9, 2.4e-3
+    for nbytes in (1e8, 3e8, 6e8, 9e8):
+        prof.observe_load(nbytes, nbytes / B + 32 * r, batches=32)  # 32 batches each, bytes per batch 9x apart
+    rate, per_batch = prof.load_fit()
+    assert rate == pytest.approx(B, rel=1e-6) and per_batch == pytest.approx(r, rel=1e-6)
+    assert prof.bandwidth < B  # the average rate folds the batches' cost in
+
+    same = LatencyProfile()
+    for k in (8, 16, 32, 64):  # bytes per batch constant: not identifiable
+        same.observe_load(k * 3e7, k * 3e7 / B + k * r, batches=k)
+    assert same.load_fit() is None
+    few = LatencyProfile()
+    few.observe_load(1e8, 0.1, batches=4)
+    assert few.load_fit() is None
+
+    again = LatencyProfile.from_json(prof.to_json())
+    assert again.load_fit() == pytest.approx(prof.load_fit())
+    again.reset_bandwidth()
+    assert again.load_fit() is None and again.bandwidth is None
+
+
+def test_load_fit_clamps_the_per_batch_cost() -> None:
+    """A negative fitted cost (noise) is 0 and the rate refits through the origin; the cost never exceeds the
+    smallest per-batch time seen."""
+    prof = LatencyProfile()
+    for nbytes, batches in ((1e8, 32), (4e8, 8), (8e8, 64), (2e8, 4)):
+        prof.observe_load(nbytes, nbytes / 1e9 * (0.98 if batches > 16 else 1.0), batches=batches)
+    rate, per_batch = prof.load_fit()
+    assert per_batch >= 0.0 and rate > 0
+    assert per_batch <= min(s / b for s, b in ((0.098, 32), (0.4, 8), (0.784, 64), (0.2, 4)))
