@@ -506,8 +506,7 @@ def _profile_state(prof) -> dict:
             "suffix_scale": prof.suffix_scale,
             "fixed_overhead_s": prof.fixed_overhead, "compute_scale": prof.compute_scale,
             "compute_scale_by_batch": {str(n): prof.compute_scale_for(n) for n in range(1, 9)},
-            "bandwidth_bytes_per_s": prof.bandwidth, "observations": prof.num_observations,
-            "load_fit_bytes_per_s_and_seconds_per_batch": prof.load_fit()}
+            "bandwidth_bytes_per_s": prof.bandwidth, "observations": prof.num_observations}
 
 
 def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:

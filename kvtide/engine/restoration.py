@@ -234,12 +234,7 @@ class Restorer:
             self._known.popitem(last=False)
 
     def bandwidth(self) -> float:
-        """Bytes/s the planner assumes: the rate of ``load_fit`` where loads have told it apart from the per-batch
-        cost (which ``cost`` then charges as R), else the measured loads' average rate, else the emulated link, else
-        a guess."""
-        fit = self.profile.load_fit()
-        if fit is not None and fit[1] > 0:
-            return fit[0]
+        """Bytes/s the planner assumes: measured loads first, else the emulated link, else a guess."""
         if self.profile.bandwidth is not None:
             return self.profile.bandwidth
         if self.cfg.bandwidth_gbps is not None:
@@ -253,22 +248,9 @@ class Restorer:
         shared = p.call_overhead if tokens is None else p.call_overhead_at(tokens)
         return ExecutorReplayTime(p, shared, batch, p.compute_scale_for(batch) if scaled else 1.0)
 
-    def state_bytes(self, batch: int = 1, tokens: int | None = None) -> float:
-        """R per (request, block) that loads: the fixed seconds of a load batch (``LatencyProfile.load_fit``) in bytes
-        at the fitted rate, times the batches a layer's loads take (the executor's ``LoadConfig.batch_bytes``; every
-        request loading ``tokens``, the batch's longest prefix), shared by the batch's requests. 0 until fitted."""
-        fit = self.profile.load_fit()
-        if fit is None or fit[1] == 0.0:
-            return 0.0
-        rate, per_batch = fit
-        layer_bytes = batch * (tokens or self.chunk) * self.bytes_per_token
-        batches = max(1, -(-int(layer_bytes) // LoadConfig().batch_bytes))
-        return per_batch * rate * batches / batch
-
     def cost(self, batch: int = 1, tokens: int | None = None) -> BlockCost:
         p = self.profile
-        return BlockCost(self.num_layers, self.bytes_per_token, self.state_bytes(batch, tokens),
-                         replay_time=self.replay_time(batch, tokens=tokens),
+        return BlockCost(self.num_layers, self.bytes_per_token, 0.0, replay_time=self.replay_time(batch, tokens=tokens),
                          suffix_overhead=p.suffix_overhead, fixed_seconds=p.fixed_overhead,
                          suffix_scale=p.suffix_scale)
 
@@ -355,7 +337,7 @@ class Restorer:
         p = self.profile
         rt = ExecutorReplayTime(p, p.call_overhead_at(longest), len(reqs),
                                 p.compute_scale_for(len(reqs)) * (1.0 - self.cfg.hedge))
-        hedged = make_plan(method, reqs, BlockCost(cost.num_blocks, cost.kv_bytes_per_token, cost.state_bytes, replay_time=rt,
+        hedged = make_plan(method, reqs, BlockCost(cost.num_blocks, cost.kv_bytes_per_token, 0.0, replay_time=rt,
                                                    suffix_overhead=cost.suffix_overhead,
                                                    suffix_scale=cost.suffix_scale,
                                                    fixed_seconds=cost.fixed_seconds), bw, self.chunk)

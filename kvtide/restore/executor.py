@@ -523,7 +523,7 @@ class RestoreExecutor:
         res.total_seconds = time.perf_counter() - t0
         self._times(jobs, res, clock, stair, suffix_start, suffix_marks, profile)
         if profile is not None and res.load_bytes and res.load_seconds > 0:
-            profile.observe_load(res.load_bytes, res.load_seconds, batches=res.load_batches)
+            profile.observe_load(res.load_bytes, res.load_seconds)
         return res
 
     def _times(self, jobs: Sequence[RestoreJob], res: RestoreResult, clock: "_Clock", stair: list,

@@ -10,12 +10,12 @@ from typing import Callable, Sequence
 
 from kvtide.restore.baselines import cake, layerwise, load_only, recompute_only
 from kvtide.restore.costs import BlockCost, RestoreRequest
-from kvtide.restore.planner import Plan, plan_in_budget
+from kvtide.restore.planner import Plan, plan
 
 PlanFn = Callable[[Sequence[RestoreRequest], BlockCost, float, int], Plan]
 
 METHODS: dict[str, PlanFn] = {
-    "cacheflow": plan_in_budget,  # planner.plan (exact) when R = 0; see plan_in_budget for R > 0
+    "cacheflow": plan,
     "recompute": recompute_only,
     "load": load_only,
     "cake": cake,

@@ -63,7 +63,6 @@ __all__ = [
     "RestoreRequest",
     "evaluate",
     "plan",
-    "plan_in_budget",
 ]
 
 DEFAULT_MAX_DP_WORK = 20_000_000
@@ -139,83 +138,6 @@ def plan(
 ) -> Plan:
     """Optimal staircase per request for a batch sharing one compute resource and one link."""
     t0 = time.perf_counter()
-    requests, B, C = _checked(requests, cost, bandwidth, chunk)
-    if method not in ("auto", "fast", "dp"):
-        raise ValueError(f"method must be 'auto', 'fast' or 'dp', got {method!r}")
-    if not requests:
-        return Plan(boundaries=[], predicted_seconds=0.0, method="empty", chunk=C)
-    pre = _prepare(requests, cost, C)
-    st = pre.setup(cost, B, cost.state_bytes)
-    fast_ok = method != "dp" and _fast_applies(st, pre.f_grid)
-    if method == "fast" or (method == "auto" and fast_ok):
-        if not fast_ok:
-            raise ValueError("method='fast' needs R == 0, N_r % chunk == 0 and F convex on the grid for t > 0")
-        cnt = _solve_single(st, pre.f_grid) if pre.n == 1 and method == "auto" else _solve_fast(st, pre.f_grid)
-        bound = 0.0
-        name = "fast"
-    else:
-        cnt, bound = _solve_dp(st, pre.f_grid, pre.fN, max_dp_work)
-        name = "dp"
-    J, ev = pre.price(cnt, cost, B)
-    return Plan.from_cost(
-        J.tolist(),
-        ev,
-        method=name,
-        exact=bound == 0.0,
-        quantisation_bound_seconds=bound,
-        planning_seconds=time.perf_counter() - t0,
-        chunk=C,
-    )
-
-
-def plan_in_budget(requests: Sequence[RestoreRequest], cost: BlockCost, bandwidth: float, chunk: int) -> Plan:
-    """``plan`` within the time a restoration can spare, also when R > 0 (where ``plan`` runs the exact DP: milliseconds
-    for one 8B request, far more for a batch). With R = 0 it is ``plan`` itself (exact).
-
-    With R > 0 (in the engine: the fixed cost of a layer's load batch, ``LatencyProfile.load_fit``) it prices two
-    staircases under the full objective, R included, and returns the better (``exact=False``):
-    (a) the R = 0 optimum at the rate R averages to over a block that loads a whole prefix, B s N / (s N + R) (N the
-    batch's mean prefix): a staircase that loads in every block, as cheap as R = 0 allows;
-    (b) the best layer-wise split shared by the batch (k leading blocks recompute everything, the others load
-    everything): what R > 0 favours, since a block that recomputes all of its prefix loads nothing and pays no R.
-    Both are staircases the exact DP considers, so it is never better than ``plan``; it is never worse than either.
-    One F evaluation serves both (the time of one ``plan`` call, not three).
-    """
-    R = cost.state_bytes
-    if R == 0.0:
-        return plan(requests, cost, bandwidth, chunk)
-    t0 = time.perf_counter()
-    requests, B, C = _checked(requests, cost, bandwidth, chunk)
-    if not requests:
-        return Plan(boundaries=[], predicted_seconds=0.0, method="empty", chunk=C)
-    pre = _prepare(requests, cost, C)
-    L, s = cost.num_blocks, cost.kv_bytes_per_token
-    nbar = max(1.0, sum(pre.Nl) / pre.n)
-    st = pre.setup(cost, B * s * nbar / (s * nbar + R), 0.0)
-    if _fast_applies(st, pre.f_grid):
-        cnt = _solve_single(st, pre.f_grid) if pre.n == 1 else _solve_fast(st, pre.f_grid)
-    else:  # off the chunk grid or F not convex there: the exact R = 0 DP
-        cnt = _solve_dp(st, pre.f_grid, pre.fN, DEFAULT_MAX_DP_WORK)[0]
-    # (a) priced with R: only its two sides (the full per-request breakdown is built once, for the winner)
-    J = np.minimum(cnt * C, pre.N[:, None])
-    loading = J < pre.N[:, None]
-    FJ = np.where(loading, pre.f_grid[np.minimum(cnt, pre.kmax)], pre.fN[:, None])
-    t_a = max(L * pre.sig + float(FJ.sum()), (s * float((pre.N[:, None] - J).sum()) + R * int(loading.sum())) / B + pre.sig)
-    # (b), vectorised over k: compute k sum F(N) + L sig, load (L - k) sum d(0) / B + sig
-    k = np.arange(L + 1)
-    full = float((s * pre.N + R * (pre.N > 0)).sum())
-    T = np.maximum(k * float(pre.fN.sum()) + L * pre.sig, (L - k) * full / B + pre.sig)
-    kb = int(T.argmin())
-    if float(T[kb]) < t_a:
-        cnt = np.zeros((pre.n, L), dtype=np.int64)
-        cnt[:, :kb] = pre.kmax  # grid index kmax: min(kmax C, N) = N for the longest; price() clamps to each N
-    J, ev = pre.price(cnt, cost, B)
-    return Plan.from_cost(J.tolist(), ev, method="fast-R", exact=False, planning_seconds=time.perf_counter() - t0,
-                          chunk=C)
-
-
-def _checked(requests: Sequence[RestoreRequest], cost: BlockCost, bandwidth: float,
-             chunk: int) -> tuple[list[RestoreRequest], float, int]:
     requests = list(requests)
     for r in requests:
         if not isinstance(r, RestoreRequest):
@@ -226,43 +148,17 @@ def _checked(requests: Sequence[RestoreRequest], cost: BlockCost, bandwidth: flo
     C = _as_int("chunk", chunk)
     if C <= 0:
         raise ValueError(f"chunk must be > 0 tokens, got {C}")
-    return requests, B, C
+    if method not in ("auto", "fast", "dp"):
+        raise ValueError(f"method must be 'auto', 'fast' or 'dp', got {method!r}")
+    L = cost.num_blocks
+    if not requests:
+        return Plan(boundaries=[], predicted_seconds=0.0, method="empty", chunk=C)
 
-
-@dataclass
-class _Prepared:
-    """F on the chunk grid and at every N and N + Ns (one call: F may be a profile), and the suffix terms."""
-
-    Nl: list[int]
-    N: np.ndarray
-    n: int
-    kmax: int
-    C: int
-    f_grid: np.ndarray  # F(min(i C, max N)), i = 0..kmax
-    fN: np.ndarray
-    sigma: np.ndarray
-    has_suffix: bool
-    sig: float  # sum sigma + the suffix call's overhead
-
-    def setup(self, cost: BlockCost, B: float, R: float) -> _Setup:
-        """The solvers' numbers at link rate ``B`` with ``R`` bytes per loading block."""
-        s, L = cost.kv_bytes_per_token, cost.num_blocks
-        full_load = s * self.N + R * (self.N > 0) if R else s * self.N  # a block's bytes with no recompute
-        return _Setup(N=self.N, Nl=self.Nl, L=L, s=s, R=R, B=B, C=self.C, c1=L * self.sig, c2=self.sig,
-                      A0=float(L * full_load.sum()))
-
-    def price(self, cnt: np.ndarray, cost: BlockCost, B: float) -> tuple[np.ndarray, StaircaseCost]:
-        """Boundaries [request, block] of grid indices ``cnt`` (rows non-increasing) and their objective."""
-        Nc = self.N[:, None]
-        J = np.minimum(cnt * self.C, Nc)
-        FJ = np.where(J == Nc, self.fN[:, None], self.f_grid[np.minimum(cnt, self.kmax)])
-        return J, price_staircase(self.N, J, FJ, self.sigma, cost, B, self.has_suffix)
-
-
-def _prepare(requests: list[RestoreRequest], cost: BlockCost, C: int) -> _Prepared:
     Nl = [r.cached_tokens for r in requests]
     Nsl = [r.suffix_tokens for r in requests]
     n = len(Nl)
+    N = np.array(Nl, dtype=np.int64)
+    s, R = cost.kv_bytes_per_token, cost.state_bytes
     kmax = -(-max(Nl) // C)
     # F in one call (it may be a profile) at the grid min(i C, max N) for i = 0..kmax, then at N, then at N + Ns
     grid_tokens = [*range(0, kmax * C, C), max(Nl)]
@@ -272,8 +168,35 @@ def _prepare(requests: list[RestoreRequest], cost: BlockCost, C: int) -> _Prepar
         raise ValueError("replay_time must be nondecreasing (F(N + Ns) < F(N))")
     sigma = (fNs - fN) * cost.suffix_scale
     has_suffix = any(Nsl)
-    return _Prepared(Nl=Nl, N=np.array(Nl, dtype=np.int64), n=n, kmax=kmax, C=C, f_grid=f_grid, fN=fN, sigma=sigma,
-                     has_suffix=has_suffix, sig=float(sigma.sum()) + suffix_call(cost, has_suffix))
+    sig = float(sigma.sum()) + suffix_call(cost, has_suffix)
+    full_load = s * N + R * (N > 0) if R else s * N  # bytes a block loads with no recompute (same floats)
+    A0 = float(L * full_load.sum())
+    st = _Setup(N=N, Nl=Nl, L=L, s=s, R=R, B=B, C=C, c1=L * sig, c2=sig, A0=A0)
+
+    fast_ok = method != "dp" and _fast_applies(st, f_grid)
+    if method == "fast" or (method == "auto" and fast_ok):
+        if not fast_ok:
+            raise ValueError("method='fast' needs R == 0, N_r % chunk == 0 and F convex on the grid for t > 0")
+        cnt = _solve_single(st, f_grid) if n == 1 and method == "auto" else _solve_fast(st, f_grid)
+        bound = 0.0
+        name = "fast"
+    else:
+        cnt, bound = _solve_dp(st, f_grid, fN, max_dp_work)
+        name = "dp"
+    # cnt: grid index per [request, block], non-increasing along each row (already a staircase)
+    Nc = N[:, None]
+    J = np.minimum(cnt * C, Nc)
+    FJ = np.where(J == Nc, fN[:, None], f_grid[np.minimum(cnt, kmax)])
+    ev = price_staircase(N, J, FJ, sigma, cost, B, has_suffix)
+    return Plan.from_cost(
+        J.tolist(),
+        ev,
+        method=name,
+        exact=bound == 0.0,
+        quantisation_bound_seconds=bound,
+        planning_seconds=time.perf_counter() - t0,
+        chunk=C,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- fast path

@@ -192,8 +192,6 @@ class LatencyProfile:
         self._bandwidth: float | None = None
         self._load_observations = 0
         n = self.config.overhead_window
-        self._loads: deque[tuple[float, float, int]] = deque(maxlen=2 * n)  # (bytes, seconds, load batches)
-        self._load_fit_cache: tuple[float, float] | None | bool = False  # load_fit's answer until the next load (False: stale)
         self._suffix_pairs: deque[tuple[float, float]] = deque(maxlen=2 * n)  # (modelled, measured) per block
         self._fixed = _Recent(n)
         self._scale = _Recent(n)
@@ -229,9 +227,8 @@ class LatencyProfile:
             q.append((tokens, per_block, int(source == "prefill")))
             self._knots = None
 
-    def observe_load(self, nbytes: float, seconds: float, batches: int = 0) -> None:
-        """Record a load of ``nbytes`` bytes that took ``seconds``; updates the bandwidth EWMA. ``batches``: the
-        executor's load batches (one or more per layer that loads), for ``load_fit``."""
+    def observe_load(self, nbytes: float, seconds: float) -> None:
+        """Record a load of ``nbytes`` bytes that took ``seconds``; updates the bandwidth EWMA."""
         nbytes, seconds = float(nbytes), float(seconds)
         if nbytes <= 0 or seconds <= 0 or not (math.isfinite(nbytes) and math.isfinite(seconds)):
             return  # nothing measurable (cache hit in RAM, clock resolution): ignore rather than skew
@@ -240,48 +237,6 @@ class LatencyProfile:
         with self._lock:
             self._bandwidth = bw if self._bandwidth is None else a * bw + (1 - a) * self._bandwidth
             self._load_observations += 1
-            if batches > 0:
-                self._loads.append((nbytes, seconds, int(batches)))
-                self._load_fit_cache = False
-
-    def load_fit(self) -> tuple[float, float] | None:
-        """(bytes/s, seconds per load batch): least squares of seconds = bytes / B + batches x r over the recent
-        loads, or None until they tell the two apart (4 loads whose bytes per batch differ by 1.5x or more).
-
-        A load batch has a fixed cost besides its bytes (a store round trip, pinned staging, one host-to-device
-        copy and the page writes' launches, on a host shared with the compute thread). On the H200 host it was
-        ~2.4 ms: the same 0.54 GB took 0.182 s in 32 layer batches (a staircase loading in every layer) and 0.144 s in
-        16 (layer-wise), so a rate that averages it in makes every-layer staircases look cheaper to load than they are.
-        That cost is the R of CacheFlow's d(j) = s (N - j) + R [j < N], in seconds."""
-        with self._lock:
-            if self._load_fit_cache is not False:
-                return self._load_fit_cache  # type: ignore[return-value]
-            obs = list(self._loads)
-        fit = self._fit_loads(obs)
-        with self._lock:
-            if len(self._loads) == len(obs):
-                self._load_fit_cache = fit
-        return fit
-
-    @staticmethod
-    def _fit_loads(obs: list[tuple[float, float, int]]) -> tuple[float, float] | None:
-        if len(obs) < 4:
-            return None
-        x = np.array(obs, dtype=np.float64)
-        per = x[:, 0] / x[:, 2]
-        if per.max() < 1.5 * per.min():
-            return None
-        A = np.stack([x[:, 0] / x[:, 0].max(), x[:, 2] / x[:, 2].max()], 1)
-        (a, r), *_ = np.linalg.lstsq(A, x[:, 1], rcond=None)
-        a, r = a / x[:, 0].max(), r / x[:, 2].max()
-        if not a > 0:
-            return None
-        r = min(max(float(r), 0.0), float((x[:, 1] / x[:, 2]).min()))  # at most a whole load's time per batch
-        if r == 0.0:
-            return float(1 / a), 0.0
-        # refit the rate with r fixed (clamping r moved it)
-        a = float(np.dot(x[:, 0], x[:, 1] - r * x[:, 2]) / np.dot(x[:, 0], x[:, 0]))
-        return (float(1 / a), r) if a > 0 else None
 
     def observe_suffix(self, per_block_seconds: float, modelled_seconds: float) -> None:
         """A suffix layer call took ``per_block_seconds`` where F(N + Ns) - F(N) summed to ``modelled_seconds``."""
@@ -382,11 +337,9 @@ class LatencyProfile:
         return self._fixed.value or 0.0
 
     def reset_bandwidth(self) -> None:
-        """Forget the load-bandwidth estimate and the loads behind ``load_fit`` (the link changed); F(t) is kept."""
+        """Forget the load-bandwidth estimate (the link changed); F(t) is kept."""
         with self._lock:
             self._bandwidth = None
-            self._loads.clear()
-            self._load_fit_cache = False
 
     @property
     def bandwidth(self) -> float | None:
@@ -457,7 +410,6 @@ class LatencyProfile:
                 "observations": {str(b): [list(o) for o in q] for b, q in sorted(self._buckets.items())},
                 "bandwidth": self._bandwidth,
                 "load_observations": self._load_observations,
-                "loads": [list(o) for o in self._loads],
                 "suffix_pairs": [list(o) for o in self._suffix_pairs],
                 "fixed_overhead": list(self._fixed.values),
                 "compute_scale": list(self._scale.values),
@@ -475,7 +427,6 @@ class LatencyProfile:
         bw = d.get("bandwidth")
         prof._bandwidth = None if bw is None else float(bw)
         prof._load_observations = int(d.get("load_observations", 0))
-        prof._loads.extend((float(b), float(t), int(k)) for b, t, k in d.get("loads", []))
         n = prof.config.overhead_window
         old = d.get("suffix_overhead")  # saved before pairs were kept: overheads over a zero difference
         old = [old] if isinstance(old, (int, float)) else (old or [])

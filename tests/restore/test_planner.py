@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvtide.restore import baselines as bl
-from kvtide.restore.planner import AnalyticReplayTime, BlockCost, Plan, RestoreRequest, evaluate, plan, plan_in_budget
+from kvtide.restore.planner import AnalyticReplayTime, BlockCost, Plan, RestoreRequest, evaluate, plan
 
 
 def table_F(vals: np.ndarray):
@@ -377,48 +377,3 @@ def test_single_request_solver_is_exact() -> None:
         assert a.method == "fast"
         assert_valid(a, [req], L, C)
         assert a.predicted_seconds == pytest.approx(b.predicted_seconds, rel=1e-9, abs=1e-12), (req, L, C, B)
-
-
-def _best_shared_layerwise(reqs: list[RestoreRequest], cost: BlockCost, B: float, C: int) -> float:
-    L = cost.num_blocks
-    return min(evaluate(reqs, [[r.cached_tokens] * k + [0] * (L - k) for r in reqs], cost, B, C).total_seconds
-               for k in range(L + 1))
-
-
-@pytest.mark.parametrize("kind", ["convex", "setup"])
-def test_plan_in_budget_with_state_bytes(kind: str) -> None:
-    """R > 0: a valid staircase, never better than the exact optimum (brute force), never worse than either
-    candidate it prices: the R = 0 optimum at the R-averaged rate and the best shared layer-wise split."""
-    rng = random.Random(KINDS.index(kind))
-    for _ in range(60):
-        reqs, cost, B, C = instance(rng, R_zero=False, on_grid=True, kind=kind)
-        p = plan_in_budget(reqs, cost, B, C)
-        assert_valid(p, reqs, cost.num_blocks, C)
-        assert not p.exact
-        t = evaluate(reqs, p.boundaries, cost, B, C).total_seconds
-        assert t == pytest.approx(p.predicted_seconds, rel=1e-12)
-        assert t >= brute_force(reqs, cost, B, C) - 1e-9
-        assert t <= _best_shared_layerwise(reqs, cost, B, C) + 1e-9
-        nbar = max(1.0, sum(r.cached_tokens for r in reqs) / len(reqs))
-        s, R = cost.kv_bytes_per_token, cost.state_bytes
-        a = plan(reqs, BlockCost(cost.num_blocks, s, 0.0, cost.replay_time), B * s * nbar / (s * nbar + R), C)
-        assert t <= evaluate(reqs, a.boundaries, cost, B, C).total_seconds + 1e-9
-
-
-def test_plan_in_budget_takes_the_layerwise_split_when_r_dominates() -> None:
-    """A per-block load cost as large as a block's bytes: loading in every block (the R = 0 optimum's shape) pays
-    it L times, the layer-wise split only in the blocks it loads; the exact optimum is layer-wise and found."""
-    F = AnalyticReplayTime(overhead=0.0, per_token=1.0, per_token_sq=0.0)
-    reqs = [RestoreRequest(8, 0)]
-    cost = BlockCost(4, 1.0, 8.0, F)  # R = 8 bytes = the whole prefix's bytes per block
-    p = plan_in_budget(reqs, cost, 1.0, 2)
-    assert all(j in (0, 8) for j in p.boundaries[0]), p.boundaries
-    assert p.predicted_seconds == pytest.approx(brute_force(reqs, cost, 1.0, 2))
-
-
-def test_plan_in_budget_is_plan_when_r_is_zero() -> None:
-    rng = random.Random(5)
-    for _ in range(30):
-        reqs, cost, B, C = instance(rng, R_zero=True, on_grid=True, kind="setup")
-        a, b = plan_in_budget(reqs, cost, B, C), plan(reqs, cost, B, C)
-        assert a.boundaries == b.boundaries and a.predicted_seconds == b.predicted_seconds and a.exact
