@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -334,13 +334,8 @@ class Restorer:
         best = make_plan(method, reqs, cost, bw, self.chunk)
         if method != "cacheflow" or not self.cfg.steal or self.cfg.hedge == 0.0:
             return best
-        p = self.profile
-        rt = ExecutorReplayTime(p, p.call_overhead_at(longest), len(reqs),
-                                p.compute_scale_for(len(reqs)) * (1.0 - self.cfg.hedge))
-        hedged = make_plan(method, reqs, BlockCost(cost.num_blocks, cost.kv_bytes_per_token, 0.0, replay_time=rt,
-                                                   suffix_overhead=cost.suffix_overhead,
-                                                   suffix_scale=cost.suffix_scale,
-                                                   fixed_seconds=cost.fixed_seconds), bw, self.chunk)
+        rt = replace(cost.replay_time, scale=cost.replay_time.scale * (1.0 - self.cfg.hedge))
+        hedged = make_plan(method, reqs, replace(cost, replay_time=rt), bw, self.chunk)
         best.boundaries = hedged.boundaries
         best.planning_seconds += hedged.planning_seconds
         best.method = "cacheflow-hedged"

@@ -133,22 +133,27 @@ def test_strict_chunk_loss_example_from_appendix() -> None:
     assert plan([RestoreRequest(2)], cost, 1.0, 1).predicted_seconds == pytest.approx(1.0)
 
 
+def _assert_fast_matches_dp(rng: random.Random, reqs: list[RestoreRequest], L: int, C: int) -> None:
+    """A random setup-convex F, s and B: the fast solver's plan is valid and as good as the DP's."""
+    F = AnalyticReplayTime(
+        overhead=rng.choice([0.0, rng.random()]), per_token=rng.random(), per_token_sq=rng.random() * 0.05
+    )
+    cost = BlockCost(L, rng.uniform(0.1, 3.0), 0.0, F)
+    B = rng.uniform(0.2, 5.0)
+    a = plan(reqs, cost, B, C, method="fast")
+    b = plan(reqs, cost, B, C, method="dp")
+    assert a.method == "fast" and b.method == "dp" and b.exact
+    assert_valid(a, reqs, L, C)
+    assert a.predicted_seconds == pytest.approx(b.predicted_seconds, rel=1e-9)
+
+
 def test_fast_and_dp_agree_on_medium_instances() -> None:
     rng = random.Random(7)
     for _ in range(60):
         C = rng.choice([1, 4, 16])
         L = rng.randint(1, 10)
         reqs = [RestoreRequest(rng.randint(0, 12) * C, rng.randint(0, 40)) for _ in range(rng.randint(1, 4))]
-        F = AnalyticReplayTime(
-            overhead=rng.choice([0.0, rng.random()]), per_token=rng.random(), per_token_sq=rng.random() * 0.05
-        )
-        cost = BlockCost(L, rng.uniform(0.1, 3.0), 0.0, F)
-        B = rng.uniform(0.2, 5.0)
-        a = plan(reqs, cost, B, C, method="fast")
-        b = plan(reqs, cost, B, C, method="dp")
-        assert a.method == "fast" and b.method == "dp" and b.exact
-        assert_valid(a, reqs, L, C)
-        assert a.predicted_seconds == pytest.approx(b.predicted_seconds, rel=1e-9)
+        _assert_fast_matches_dp(rng, reqs, L, C)
 
 
 def test_fast_and_dp_agree_with_many_distinct_caps() -> None:
@@ -159,17 +164,7 @@ def test_fast_and_dp_agree_with_many_distinct_caps() -> None:
         C = rng.choice([1, 4])
         L = rng.randint(1, 3)
         caps = rng.sample(range(1, 14), rng.randint(5, 10))
-        reqs = [RestoreRequest(c * C, rng.randint(0, 20)) for c in caps]
-        F = AnalyticReplayTime(
-            overhead=rng.choice([0.0, rng.random()]), per_token=rng.random(), per_token_sq=rng.random() * 0.05
-        )
-        cost = BlockCost(L, rng.uniform(0.1, 3.0), 0.0, F)
-        B = rng.uniform(0.2, 5.0)
-        a = plan(reqs, cost, B, C, method="fast")
-        b = plan(reqs, cost, B, C, method="dp")
-        assert a.method == "fast" and b.method == "dp" and b.exact
-        assert_valid(a, reqs, L, C)
-        assert a.predicted_seconds == pytest.approx(b.predicted_seconds, rel=1e-9)
+        _assert_fast_matches_dp(rng, [RestoreRequest(c * C, rng.randint(0, 20)) for c in caps], L, C)
 
 
 def test_auto_uses_fast_path_only_when_it_is_exact() -> None:
