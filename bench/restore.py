@@ -148,6 +148,19 @@ class Bench:
                             bar()
         return rows
 
+    def busy(self, since: dict | None = None, recs: list | None = None) -> dict:
+        """Where the step loop's time went (seconds): restorations, the engine's own prefill and decode steps,
+        queueing finished requests' chunks for the store, waiting for writes a lookup needed. With ``since`` (an
+        earlier reading) and ``recs`` (the restorations run since), the differences."""
+        e, st = self.eng.stats, self.r.stats
+        now = {"prefill_s": e.prefill_seconds, "decode_s": e.decode_seconds, "store_write_s": st.write_seconds,
+               "store_write_wait_s": st.write_wait_seconds}
+        if since is None:
+            return now
+        out = {k: v - since[k] for k, v in now.items()}
+        out["restore_s"] = sum(x.total_seconds for x in recs or [])
+        return out
+
     # ---- 2. trace replay ------------------------------------------------------------------------------------
     def trace(self, links: list[tuple[float, str]], bar, deadline: float) -> dict:
         a = self.a
@@ -164,13 +177,16 @@ class Bench:
         self.fresh_store(snapshot)
         self.set_link(links[0][0])
         self.r.cfg.method = "recompute"
+        n0, b0 = len(self.r.history), self.busy()
         t0 = time.perf_counter()
         replay(self.eng, reqs, 0.0, lambda q: greedy(q.output))
         makespan = time.perf_counter() - t0
+        closed_busy = self.busy(b0, list(self.r.history)[n0:])
         mu = len(reqs) / makespan
         stretch = (len(reqs) - 1) / (span * a.load * mu)
         out = {"requests": len(reqs), "stretch": stretch, "offered_load": a.load,
                "recompute_saturation_req_per_s": mu, "closed_loop_makespan_s": makespan,
+               "closed_loop_busy_s": closed_busy,
                "offered_req_per_s": a.load * mu,
                "mean_input_tokens": statistics.mean(len(q.tokens) for q in reqs),
                "mean_reused_tokens": statistics.mean(min(q.reused_blocks * a.block_tokens, len(q.tokens))
@@ -187,6 +203,7 @@ class Bench:
                 self.r.cfg.method = m
                 n0 = len(self.r.history)
                 st0 = dict(vars(self.r.stats))
+                b0 = self.busy()
                 t1 = time.perf_counter()
                 ttft = replay(self.eng, reqs, stretch, lambda q: greedy(q.output), on_first=bar)
                 wall = time.perf_counter() - t1
@@ -206,6 +223,7 @@ class Bench:
                     "planning_fraction_of_restore_median": statistics.median(ratio) if ratio else 0,
                     "recomputed_tokens": st["recomputed_tokens"], "loaded_tokens": st["loaded_tokens"],
                     "stolen_tokens": st["stolen_tokens"], "fallbacks": st["fallbacks"],
+                    "busy_s": self.busy(b0, recs),
                     "restorations_detail": [record_row(x) for x in recs]})
         return out
 
@@ -536,6 +554,11 @@ def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
                       f"{r['p99_s']:.2f}", str(r["restored_requests"]), f"{r['mean_batch']:.1f}",
                       f"{r['restore_seconds_mean']:.2f}", str(r["stolen_tokens"]))
         con.print(t)
+        fmt = lambda b: ", ".join(f"{k[:-2]} {v:.2f}" for k, v in b.items())  # noqa: E731
+        con.print(f"closed-loop recompute-only run: makespan {trace['closed_loop_makespan_s']:.2f} s; step loop (s): "
+                  f"{fmt(trace['closed_loop_busy_s'])}")
+        for r in trace["runs"]:
+            con.print(f"  {r['link']} {r['method']}: wall {r['wall_s']:.2f} s; step loop (s): {fmt(r['busy_s'])}")
         if trace["skipped"]:
             con.print(f"skipped (deadline): {trace['skipped']}")
     con.print({k: v for k, v in g.items() if k != "a_fraction_of_ideal_gain"})

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
@@ -38,7 +39,7 @@ from ..store.base import encode_record
 from ..store.factory import open_store
 from ..store.keys import ChunkKey, KeySpace, chunk_keys
 from ..store.writer import StoreWriter
-from .restore_port import EnginePort, read_chunk_kv
+from .restore_port import ChunkReader, EnginePort
 from .sampler import sample
 from .sequence import Sequence, Status
 
@@ -70,6 +71,8 @@ class RestoreStats:
     fallback_tokens: int = 0
     errors: int = 0  # restorations abandoned for a plain prefill
     chunks_written: int = 0
+    write_seconds: float = 0.0  # step-loop time spent queueing finished chunks for the store (copy-out launched)
+    write_wait_seconds: float = 0.0  # step-loop time waiting for queued writes a lookup needed
     chunks_spilled: int = 0  # of those, written when their device pages were evicted
     spill_missed: int = 0  # evicted chunks that could not be spilled (a page of them was already gone)
     lookups: int = 0
@@ -128,6 +131,7 @@ class Restorer:
         self.profile = LatencyProfile()
         self.plan_bandwidth = self.bandwidth()  # what the last plan assumed (bytes/s)
         self.writer = StoreWriter(self.store) if cfg.write_on_finish or cfg.spill else None
+        self._reader: ChunkReader | None = None
         self.stats = RestoreStats()
         self.history: deque[RestoreRecord] = deque(maxlen=256)
         self._known: OrderedDict[str, None] = OrderedDict()  # chunk keys written or restored lately
@@ -179,13 +183,16 @@ class Restorer:
         """Copy chunks (key, tokens, page ids) out of their pages, one device read per layer, and queue them."""
         if not todo:
             return
-        pids = [pid for _, _, ps in todo for pid in ps]
-        per_layer = [read_chunk_kv(self.engine.runner, i, pids) for i in range(self.num_layers)]
+        t0 = time.perf_counter()
+        if self._reader is None:
+            self._reader = ChunkReader(self.engine.runner)
+        per_layer, ready = self._reader.read([pid for _, _, ps in todo for pid in ps])
         C = self.chunk
         for k, (key, toks, _) in enumerate(todo):
-            self.writer.submit(key, toks, [x[:, k * C:(k + 1) * C] for x in per_layer])
+            self.writer.submit(key, toks, [x[:, k * C:(k + 1) * C] for x in per_layer], ready)
             self._remember(key)
             self.stats.chunks_written += 1
+        self.stats.write_seconds += time.perf_counter() - t0
 
     # ---- spill on evict ----------------------------------------------------------------------------------
     def on_release(self, seq: Sequence) -> None:
@@ -257,7 +264,9 @@ class Restorer:
     # ---- finding restorable requests ------------------------------------------------------------------
     def _present(self, key: ChunkKey) -> bool:
         if self.writer is not None and self.writer.pending(key):
+            t0 = time.perf_counter()
             self.writer.flush()  # written in a moment: wait rather than recompute it
+            self.stats.write_wait_seconds += time.perf_counter() - t0
         return self.store.contains(key, self.num_layers - 1)  # the writer stores layers in order
 
     def candidate(self, seq: Sequence) -> tuple[list[int], int, int, list[ChunkKey]] | None:
@@ -351,7 +360,8 @@ class Restorer:
         # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
         # that mixes the two; recompute-only keeps its link idle by definition, load-only has nothing to take.
         steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
-        res = RestoreExecutor(port, self.store, self.chunk, LoadConfig(steal=steal)).run(jobs, profile=self.profile)
+        with self.writer.held() if self.writer is not None else contextlib.nullcontext():
+            res = RestoreExecutor(port, self.store, self.chunk, LoadConfig(steal=steal)).run(jobs, profile=self.profile)
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
         if eng.runner.store is not None:  # compressed pool: compress the full pages just filled

@@ -8,6 +8,7 @@ is written a lookup simply misses it, which means recompute: correct, only slowe
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import weakref
@@ -33,9 +34,11 @@ class StoreWriter:
     def __init__(self, store: Any, max_queue: int = 1024) -> None:
         self.store = store
         self.stats = WriterStats()
-        self._q: queue.Queue[tuple[ChunkKey, Sequence[int], list[torch.Tensor]] | None] = queue.Queue(max_queue)
+        self._q: queue.Queue[tuple[ChunkKey, Sequence[int], list[torch.Tensor], Any] | None] = queue.Queue(max_queue)
         self._pending: set[str] = set()
         self._lock = threading.Lock()
+        self._open = threading.Event()  # cleared while held(): writes wait
+        self._open.set()
         self._thread = threading.Thread(target=self._run, name="kvtide-store-writer", daemon=True)
         self._thread.start()
         # Stop the thread before interpreter teardown (a daemon thread inside torch at exit can abort the process).
@@ -46,11 +49,23 @@ class StoreWriter:
         with self._lock:
             return key.hex in self._pending
 
-    def submit(self, key: ChunkKey, tokens: Sequence[int], layers: list[torch.Tensor]) -> None:
-        """Queue one chunk (``layers[i]`` = [2, C, kv_heads, head_dim] of layer i). Blocks when the queue is full."""
+    def submit(self, key: ChunkKey, tokens: Sequence[int], layers: list[torch.Tensor], ready: Any = None) -> None:
+        """Queue one chunk (``layers[i]`` = [2, C, kv_heads, head_dim] of layer i). Blocks when the queue is full.
+        ``ready``: an event (``.synchronize()``) after which ``layers`` hold the data (an asynchronous copy)."""
         with self._lock:
             self._pending.add(key.hex)
-        self._q.put((key, list(tokens), layers))
+        self._q.put((key, list(tokens), layers, ready))
+
+    @contextlib.contextmanager
+    def held(self):
+        """Writes wait (between layer entries) while the caller runs latency-critical host work, such as a
+        restoration's compute and I/O threads: encoding an entry holds the GIL for part of its copies and hash,
+        which those threads would otherwise wait for. Writing is background work; it resumes on exit."""
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
 
     def _run(self) -> None:
         while True:
@@ -58,9 +73,12 @@ class StoreWriter:
             try:
                 if item is None:
                     return
-                key, tokens, layers = item
+                key, tokens, layers, ready = item
+                if ready is not None:
+                    ready.synchronize()
                 # Layer order matters: a reader that sees the last layer knows the whole chunk is there.
                 for i, kv in enumerate(layers):
+                    self._open.wait()
                     try:
                         self.stats.bytes += self.store.put(key, i, tokens, kv)
                         self.stats.entries += 1
@@ -74,11 +92,14 @@ class StoreWriter:
 
     def flush(self) -> None:
         """Wait until everything queued so far is written (or failed)."""
+        if not self._open.is_set():
+            raise RuntimeError("StoreWriter.flush() inside held() would never return")
         self._q.join()
 
     def close(self) -> None:
         if not self._thread.is_alive():
             return
+        self._open.set()
         self.flush()
         self._q.put(None)
         self._thread.join(timeout=5)

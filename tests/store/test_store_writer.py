@@ -1,0 +1,94 @@
+"""The background writer: layer order, a failing tier counted, held() pausing writes, an asynchronous copy's
+event waited on before encoding."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtide.store.base import StoreError
+from kvtide.store.keys import KeySpace, chunk_keys
+from kvtide.store.memory import MemoryStore
+from kvtide.store.writer import StoreWriter
+
+C = 8
+
+
+def _chunk(seed: int = 0, layers: int = 3):
+    ks = KeySpace("test-model", C, "bfloat16")
+    toks = list(range(seed, seed + C))
+    key = chunk_keys(toks, ks)[0]
+    g = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(2, C, 2, 4, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    return key, toks, kv
+
+
+def test_writes_every_layer_in_order():
+    store = MemoryStore(1 << 20)
+    w = StoreWriter(store)
+    key, toks, kv = _chunk()
+    w.submit(key, toks, kv)
+    w.flush()
+    assert not w.pending(key) and w.stats.entries == 3 and w.stats.failures == 0
+    for i, x in enumerate(kv):
+        assert torch.equal(store.get(key, i, toks).view(torch.int16), x.view(torch.int16))
+    w.close()
+
+
+def test_held_pauses_writes_until_exit_and_refuses_flush():
+    store = MemoryStore(1 << 20)
+    w = StoreWriter(store)
+    key, toks, kv = _chunk(1)
+    with w.held():
+        w.submit(key, toks, kv)
+        time.sleep(0.2)
+        assert w.pending(key) and not store.contains(key, 0)
+        with pytest.raises(RuntimeError, match="held"):
+            w.flush()
+    w.flush()
+    assert store.contains(key, 2) and w.stats.entries == 3
+    w.close()
+
+
+class _Event:
+    """Stands in for a CUDA event: set once the (asynchronous) copy into the host tensors has landed."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def synchronize(self):
+        self.done.wait(5)
+
+
+def test_waits_for_the_copy_event_before_encoding():
+    store = MemoryStore(1 << 20)
+    w = StoreWriter(store)
+    key, toks, kv = _chunk(2)
+    host = [torch.zeros_like(x) for x in kv]
+    ev = _Event()
+    w.submit(key, toks, host, ready=ev)
+    time.sleep(0.1)
+    for h, x in zip(host, kv):  # the "copy" lands, then the event completes
+        h.copy_(x)
+    ev.done.set()
+    w.flush()
+    for i, x in enumerate(kv):
+        assert torch.equal(store.get(key, i, toks).view(torch.int16), x.view(torch.int16))
+    w.close()
+
+
+class _Broken(MemoryStore):
+    def put(self, *a, **k):
+        raise StoreError("down", "broken")
+
+
+def test_a_failing_tier_costs_the_write_not_the_thread():
+    w = StoreWriter(_Broken(1 << 20))
+    for s in range(2):
+        key, toks, kv = _chunk(10 + s)
+        w.submit(key, toks, kv)
+    w.flush()
+    assert w.stats.failures == 2 and w.stats.entries == 0
+    w.close()
