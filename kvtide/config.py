@@ -109,6 +109,9 @@ class RestoreConfig:
     steal: bool = True  # an idle link takes recompute chunks of unstarted layers (hybrid plans; see executor)
     spill: bool = True  # evicted device-cache pages of chunks the store lacks are written first (prefix caching)
     hedge: float = 0.0  # >0: CacheFlow plans this much compute-heavy when stealing is on (see Restorer.plan_for)
+    # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
+    # RestoreStats.writes_dropped): a tier that cannot keep up costs later recomputes, not host memory
+    write_queue_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         from .store.factory import check_spec
@@ -126,6 +129,8 @@ class RestoreConfig:
             raise ValueError(f"RestoreConfig.max_batch must be >= 1, got {self.max_batch}")
         if not 0.0 <= self.hedge < 1.0:
             raise ValueError(f"RestoreConfig.hedge must be in [0, 1), got {self.hedge}")
+        if self.write_queue_bytes <= 0:
+            raise ValueError(f"RestoreConfig.write_queue_bytes must be positive, got {self.write_queue_bytes}")
 
 
 @dataclass

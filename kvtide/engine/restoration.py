@@ -73,6 +73,7 @@ class RestoreStats:
     chunks_written: int = 0
     write_seconds: float = 0.0  # step-loop time spent queueing finished chunks for the store (copy-out launched)
     write_wait_seconds: float = 0.0  # step-loop time waiting for queued writes a lookup needed
+    writes_dropped: int = 0  # chunks not queued: the writer held RestoreConfig.write_queue_bytes already
     chunks_spilled: int = 0  # of those, written when their device pages were evicted
     spill_missed: int = 0  # evicted chunks that could not be spilled (a page of them was already gone)
     lookups: int = 0
@@ -130,7 +131,7 @@ class Restorer:
         self.bytes_per_token = record / self.chunk  # s: stored bytes per token per block (what loads move)
         self.profile = LatencyProfile()
         self.plan_bandwidth = self.bandwidth()  # what the last plan assumed (bytes/s)
-        self.writer = StoreWriter(self.store) if cfg.write_on_finish or cfg.spill else None
+        self.writer = self._new_writer(self.store)
         self._reader: ChunkReader | None = None
         self.stats = RestoreStats()
         self.history: deque[RestoreRecord] = deque(maxlen=256)
@@ -146,11 +147,15 @@ class Restorer:
         chunks go to `writes` (default: the same store; a bench writes past its emulated link)."""
         if self.writer is not None:
             self.writer.close()
-        self.writer = (StoreWriter(writes if writes is not None else store)
-                       if self.cfg.write_on_finish or self.cfg.spill else None)
+        self.writer = self._new_writer(writes if writes is not None else store)
         self.store = store
         self._known.clear()
         self._no_restore.clear()
+
+    def _new_writer(self, store: Any) -> StoreWriter | None:
+        if not (self.cfg.write_on_finish or self.cfg.spill):
+            return None
+        return StoreWriter(store, max_bytes=self.cfg.write_queue_bytes)
 
     # ---- bookkeeping hooks called by the engine ------------------------------------------------------
     def observe_step(self, batch: list[tuple[Sequence, int]], seconds: float) -> None:
@@ -183,10 +188,17 @@ class Restorer:
         """Copy chunks (key, tokens, page ids) out of their pages, one device read per layer, and queue them."""
         if not todo:
             return
+        pids = [pid for _, _, ps in todo for pid in ps]
+        a = self.engine.model.args
+        nbytes = (self.num_layers * 2 * len(pids) * self.engine.block_manager.page_size * a.num_kv_heads * a.head_dim
+                  * self.engine.config.cache.torch_kv_dtype.itemsize)
+        if not self.writer.admit(nbytes):
+            self.stats.writes_dropped += len(todo)
+            return
         t0 = time.perf_counter()
         if self._reader is None:
             self._reader = ChunkReader(self.engine.runner)
-        per_layer, ready = self._reader.read([pid for _, _, ps in todo for pid in ps])
+        per_layer, ready = self._reader.read(pids)
         C = self.chunk
         for k, (key, toks, _) in enumerate(todo):
             self.writer.submit(key, toks, [x[:, k * C:(k + 1) * C] for x in per_layer], ready)

@@ -26,13 +26,16 @@ class WriterStats:
     entries: int = 0
     bytes: int = 0
     failures: int = 0
+    refused: int = 0  # admit() calls turned away by max_bytes
 
 
 class StoreWriter:
     """One daemon thread draining a queue of (key, tokens, [per-layer KV]) chunks in layer order."""
 
-    def __init__(self, store: Any, max_queue: int = 1024) -> None:
+    def __init__(self, store: Any, max_queue: int = 1024, max_bytes: int | None = None) -> None:
         self.store = store
+        self.max_bytes = max_bytes
+        self._queued_bytes = 0  # admitted and not yet written (KV bytes held for the writer)
         self.stats = WriterStats()
         self._q: queue.Queue[tuple[ChunkKey, Sequence[int], list[torch.Tensor], Any] | None] = queue.Queue(max_queue)
         self._pending: set[str] = set()
@@ -48,6 +51,22 @@ class StoreWriter:
     def pending(self, key: ChunkKey) -> bool:
         with self._lock:
             return key.hex in self._pending
+
+    def admit(self, nbytes: int) -> bool:
+        """Reserve room for ``nbytes`` of chunks about to be submitted (each submitted chunk's KV bytes are
+        released once written); False when that would pass ``max_bytes``. An empty queue admits anything, so a
+        batch larger than the bound is still written, alone."""
+        with self._lock:
+            if self.max_bytes is not None and self._queued_bytes and self._queued_bytes + nbytes > self.max_bytes:
+                self.stats.refused += 1
+                return False
+            self._queued_bytes += nbytes
+            return True
+
+    @property
+    def queued_bytes(self) -> int:
+        with self._lock:
+            return self._queued_bytes
 
     def submit(self, key: ChunkKey, tokens: Sequence[int], layers: list[torch.Tensor], ready: Any = None) -> None:
         """Queue one chunk (``layers[i]`` = [2, C, kv_heads, head_dim] of layer i). Blocks when the queue is full.
@@ -87,6 +106,7 @@ class StoreWriter:
                         break
                 with self._lock:
                     self._pending.discard(key.hex)
+                    self._queued_bytes = max(0, self._queued_bytes - sum(x.numel() * x.element_size() for x in layers))
             finally:
                 self._q.task_done()
 

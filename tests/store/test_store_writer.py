@@ -92,3 +92,17 @@ def test_a_failing_tier_costs_the_write_not_the_thread():
     w.flush()
     assert w.stats.failures == 2 and w.stats.entries == 0
     w.close()
+
+
+def test_admit_bounds_queued_bytes_and_an_empty_queue_takes_anything():
+    w = StoreWriter(MemoryStore(1 << 20), max_bytes=100)
+    key, toks, kv = _chunk(20)
+    nbytes = sum(x.numel() * x.element_size() for x in kv)
+    assert nbytes > 100
+    with w.held():
+        assert w.admit(nbytes)  # empty: admitted even though larger than the bound
+        w.submit(key, toks, kv)
+        assert not w.admit(1) and w.stats.refused == 1
+    w.flush()
+    assert w.queued_bytes == 0 and w.admit(50) and w.admit(50) and not w.admit(1)
+    w.close()
