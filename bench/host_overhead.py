@@ -83,6 +83,9 @@ class _PoolOnly:
         self.counters = {"groups_in_place": 0, "in_place_waste_bytes": 0}
         self.geo = ZipGeometry(L, H, D, P)
 
+    _alloc_into = ZipPagedKV._alloc_into  # the helpers _place calls
+    _in_place = ZipPagedKV._in_place
+
 
 def plain_table(layout: BatchLayout):
     used = [-(-kv // P) for kv in layout.kv_lens]

@@ -102,6 +102,16 @@ def auto_chunk_bytes(geo: ZipGeometry, budget: int) -> int:
     return target * unit
 
 
+def _by_class(idx: np.ndarray, cls: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(k, the entries of ``idx`` whose group has class k, in their order) for each class present, ascending."""
+    c = cls[idx]
+    order = np.argsort(c, kind="stable")
+    c = c[order]
+    bounds = [0, *(np.flatnonzero(c[1:] != c[:-1]) + 1).tolist(), len(c)]
+    idx = idx[order]
+    return [(int(c[a]), idx[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 @dataclass
 class _PendingCompression:
     """A compression begun on the device (staged bytes, block descriptors, group classes on their way to the host)."""
@@ -183,10 +193,9 @@ class ZipPagedKV:
         if any(len(offs) < n for offs in taken):
             self.alloc.free(np.concatenate(taken))
             raise MemoryError("KV pool ran out while allocating pages (capacity check skipped?)")
-        for layer, offs in enumerate(taken):
-            self._starts_host[layer, pids] = offs.reshape(len(pids), g.num_kv_heads, 2)
-        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
-        starts = torch.from_numpy(self._starts_host[:, pids]).to(self.device)
+        self._starts_host[:, pids] = np.stack(taken).reshape(g.num_layers, len(pids), g.num_kv_heads, 2)
+        idx = self._to_device(np.asarray(pids, dtype=np.int64))
+        starts = self._to_device(self._starts_host[:, pids])
         self.group_start_all[:, idx] = starts
         self.group_desc_all[:, idx] = zb.RAW
         # Zero the new raw groups: slots hold a previous owner's bytes (compressed codes read as BF16 can be
@@ -200,10 +209,11 @@ class ZipPagedKV:
         """Free every byte the pages hold, in all layers."""
         if not pids:
             return
-        assert (self.state[pids] != ABSENT).all(), "releasing a page that holds no storage"
-        comp = [p for p in pids if self.state[p] == COMPRESSED]
-        if comp:
-            self._count_stored(comp, -1)
+        state = self.state[pids]
+        assert (state != ABSENT).all(), "releasing a page that holds no storage"
+        comp = np.asarray(pids)[state == COMPRESSED]
+        if comp.size:
+            self._count_stored(comp.tolist(), -1)
         self.alloc.free(self._starts_host[:, pids])
         self.state[pids] = ABSENT
 
@@ -261,7 +271,7 @@ class ZipPagedKV:
         if not pids:
             return
         nb, bsz = self.geo.blocks_per_group, self.geo.block_size
-        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
+        idx = self._to_device(np.asarray(pids, dtype=np.int64))
         # Staging copy of the raw groups: pack may then write anywhere, the groups' own slots included.
         src = self._raw_groups(self.group_start_all[:, idx])  # [L, n, H, 2, PD]
         desc = self._analyze(src.reshape(-1, bsz)).view(*src.shape[:4], nb)
@@ -288,7 +298,7 @@ class ZipPagedKV:
                 continue
             src, desc, cls = job.src, job.desc, job.classes.numpy()
             if len(live) < len(job.pids):
-                sel = torch.tensor(live, dtype=torch.long, device=self.device)
+                sel = self._to_device(np.asarray(live, dtype=np.int64))
                 src, desc, cls = src[:, sel], desc[:, sel], cls[:, live]
             self._finish(np.asarray(job.pids)[live].tolist(), src, desc, cls)
 
@@ -299,13 +309,15 @@ class ZipPagedKV:
         new_h = old_h.copy()
         for layer in range(g.num_layers):
             self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1), new_h[layer].reshape(-1))
-        new = torch.from_numpy(new_h).to(self.device)
-        if cls.any():
-            packed = torch.from_numpy(cls > 0).to(self.device)
-            pdesc = desc[packed]  # [m, nb]
-            offsets = zb.offsets_from_starts(new[packed], pdesc, bsz)
-            self._pack(src[packed].reshape(-1, bsz), pdesc, offsets)
-        idx = torch.tensor(pids, dtype=torch.long, device=self.device)
+        new = self._to_device(new_h)
+        packed = np.flatnonzero(cls.reshape(-1) > 0)  # groups stored compressed, in [L, n, H, 2] order
+        if packed.size:
+            self._check_starts(new_h.reshape(-1)[packed], cls.reshape(-1)[packed])
+            sel = self._to_device(packed)  # an index, not a mask: a mask costs a host sync (nonzero) per use
+            pdesc = desc.reshape(-1, g.blocks_per_group).index_select(0, sel)  # [m, nb]
+            offsets = zb.offsets_from_starts(new.reshape(-1).index_select(0, sel), pdesc, bsz)
+            self._pack(src.reshape(-1, g.group_values).index_select(0, sel).reshape(-1, bsz), pdesc, offsets)
+        idx = self._to_device(np.asarray(pids, dtype=np.int64))
         self.group_start_all[:, idx] = new
         self.group_desc_all[:, idx] = desc
         self._starts_host[:, pids] = new_h
@@ -313,6 +325,22 @@ class ZipPagedKV:
         self.state[pids] = COMPRESSED
         self.counters["pages_compressed"] += len(pids)
         self._count_stored(pids, +1)
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A host array on the store's device without a host sync. A copy from pageable memory waits for the stream,
+        i.e. in compress_finish for the whole forward the step just enqueued; on CUDA the array goes through pinned
+        memory, non-blocking. On the CPU the tensor shares the array's memory (callers pass arrays they keep as is)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _check_starts(self, starts: np.ndarray, cls: np.ndarray) -> None:
+        """What pack would check on the device (aligned, inside the pool), on the host: groups of class k end at
+        start + slot_bytes(k). Cheap here; on the device it cost three host syncs per compressing step."""
+        end = starts + self.alloc._slot_bytes_arr[cls]
+        if (starts % zb.ALIGN).any() or starts.min() < 0 or end.max() > self.pool.numel():
+            raise AssertionError("compressed group placed outside the pool or unaligned")
 
     def _raw_groups(self, starts: torch.Tensor, zero: bool = False) -> torch.Tensor | None:
         """int16 values [*starts.shape, page_size * head_dim] of the raw groups at byte offsets ``starts`` (a copy),
@@ -335,38 +363,54 @@ class ZipPagedKV:
         First one allocation per class for all the groups; if the pool runs short, the rest go raw chunk by raw
         chunk, and each raw slot is freed as soon as its group has a destination, so a chunk emptied by one batch
         can take the next batch's compressed groups: a nearly full pool still compresses. The data is safe
-        meanwhile: every source is already in the staging copy.
+        meanwhile: every source is already in the staging copy. Once no slab of the classes left can give a slot
+        (no open chunk, no free chunk), every later allocation would come back empty and every free would free
+        nothing, so the rest is compressed in place at once (a full pool: most compressing steps, every layer).
         """
-        todo = np.nonzero(cls > 0)[0]
-        if not len(todo):
+        todo = np.flatnonzero(cls > 0)
+        if not todo.size:
             return
-        placed = []
-        for k in np.unique(cls[todo]).tolist():
-            sel = todo[cls[todo] == k]
-            offs = self.alloc.alloc(layer, k, len(sel))
-            new[sel[: len(offs)]] = offs
-            placed.append(sel[: len(offs)])
-        placed = np.concatenate(placed)
-        self.alloc.free(old[placed])
-        if len(placed) == len(todo):
+        placed, short, left = [], [], []  # placed groups, those that found no slot, and their classes
+        for k, sel in _by_class(todo, cls):
+            got = self._alloc_into(layer, k, sel, new)
+            placed.append(got)
+            if len(got) < len(sel):
+                short.append(sel[len(got):])
+                left.append(k)
+        self.alloc.free(old[np.concatenate(placed)])
+        if not short:
             return
-        todo = np.setdiff1d(todo, placed)
+        todo = np.sort(np.concatenate(short))
+        if not any(self.alloc.can_alloc(layer, k) for k in left):  # the common case in a full pool: no chunk came back
+            self._in_place(todo, cls)
+            return
         chunk = old[todo] // self.alloc.geo.chunk_bytes
-        todo = todo[np.argsort(chunk, kind="stable")]
-        cuts = np.nonzero(np.diff(np.sort(chunk)))[0] + 1
-        for seg in np.split(todo, cuts):
+        order = np.argsort(chunk, kind="stable")
+        segs = np.split(todo[order], np.flatnonzero(np.diff(chunk[order])) + 1)
+        for i, seg in enumerate(segs):
+            if not any(self.alloc.can_alloc(layer, k) for k in left):
+                self._in_place(np.concatenate(segs[i:]), cls)
+                return
             placed = []
-            for k in np.unique(cls[seg]).tolist():
-                sel = seg[cls[seg] == k]
-                offs = self.alloc.alloc(layer, k, len(sel))
-                got = sel[: len(offs)]
-                new[got] = offs
+            for k, sel in _by_class(seg, cls):
+                got = self._alloc_into(layer, k, sel, new)
                 placed.append(got)
-                if len(offs) < len(sel):  # no destination left: compress in place (the raw slot keeps its size)
-                    n = len(sel) - len(offs)
-                    self.counters["groups_in_place"] += n
-                    self.counters["in_place_waste_bytes"] += n * (self.geo.raw_group_bytes - self.alloc.geo.slot_bytes(k))
+                if len(got) < len(sel):  # no destination left: compress in place (the raw slot keeps its size)
+                    self._in_place(sel[len(got):], cls)
             self.alloc.free(old[np.concatenate(placed)])  # the segment's raw chunk may empty for the next one
+
+    def _alloc_into(self, layer: int, k: int, sel: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """Slots of class k for groups ``sel`` (as many as the pool gives), written into ``new``; the groups placed."""
+        offs = self.alloc.alloc(layer, k, len(sel))
+        got = sel[: len(offs)]
+        new[got] = offs
+        return got
+
+    def _in_place(self, groups: np.ndarray, cls: np.ndarray) -> None:
+        """Count groups compressed where they are (their raw slot keeps its size)."""
+        self.counters["groups_in_place"] += len(groups)
+        waste = self.geo.raw_group_bytes - self.alloc._slot_bytes_arr[cls[groups]]
+        self.counters["in_place_waste_bytes"] += int(waste.sum())
 
     def _analyze(self, blocks: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -380,7 +424,7 @@ class ZipPagedKV:
             from ..kernels import zip_encode
 
             zip_encode.pack(blocks.view(torch.bfloat16).reshape(desc.shape[0], -1), desc, offsets, self.pool,
-                            self.geo.block_size)
+                            self.geo.block_size, check=False)  # placed by the allocator, checked on the host
         else:
             zb.pack(blocks, desc.reshape(-1), offsets.reshape(-1), self.pool)
 

@@ -108,14 +108,21 @@ def analyze(x: torch.Tensor, block_size: int = 512, version: int = zf.FORMAT_VER
     return desc.view(g, n // block_size)
 
 
-def pack(x: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, block_size: int = 512) -> None:
-    """Write the blocks of groups ``x`` [G, n] into ``out`` (uint8) at byte ``offsets`` [G, n / block_size]."""
+def pack(x: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, block_size: int = 512,
+         check: bool = True) -> None:
+    """Write the blocks of groups ``x`` [G, n] into ``out`` (uint8) at byte ``offsets`` [G, n / block_size].
+
+    ``check``: verify the offsets (aligned, inside ``out``) first; on a GPU that reads them back, three host syncs.
+    A caller that placed the blocks itself and checked them on the host (the paged store) passes False."""
     _check_groups(x, block_size, zf.FORMAT_VERSION)
     offsets = offsets.reshape(-1).to(torch.int64).contiguous()
     desc = desc.reshape(-1).contiguous()
     if desc.numel() != x.numel() // block_size or offsets.numel() != desc.numel():
         raise ValueError("need one descriptor and one offset per block")
-    zb._check_buffer(out, offsets, zb.block_sizes(desc, block_size))
+    if check:
+        zb._check_buffer(out, offsets, zb.block_sizes(desc, block_size))
+    elif out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() % zb.ALIGN:
+        raise TypeError(f"data buffer must be a contiguous 1-D uint8 tensor, a multiple of {zb.ALIGN} bytes long")
     if desc.numel():
         k = _get_kernels(x.device)
         k.pack[(desc.numel(),)](

@@ -278,3 +278,26 @@ def test_begun_compression_keeps_pages_readable_and_skips_pages_freed_or_reused_
     assert_exact(store, [2], again)
     store.release_pages([0, 2, 3])
     assert store.alloc.stats()["chunks_owned"] == 0 and store.counters["k_stored_bytes"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_page_allocation_and_compression_make_no_host_sync_on_cuda():
+    """On a GPU, compress_begin and compress_finish run right after the step's forward is enqueued: a host sync
+    there (a pageable copy, a boolean mask, a value read back) would wait for that whole forward. Not one."""
+    store = ZipPagedKV(GEO, budget_bytes=40 * GEO.raw_page_bytes, device="cuda")
+    gen = torch.Generator().manual_seed(7)
+    store.alloc_pages([0, 1, 2])
+    slots = torch.arange(3 * GEO.page_size, device="cuda")
+    for layer in range(GEO.num_layers):
+        k, v = kv_like(len(slots), gen)
+        store.write(layer, k.cuda(), v.cuda(), slots)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        store.compress_begin([0, 1, 2])
+        store.alloc_pages([3, 4])
+        store.release_pages([1])
+        store.compress_finish()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert (store.state[[0, 2]] == COMPRESSED).all()

@@ -91,6 +91,13 @@ def test_triton_pack_at_given_offsets() -> None:
     ze.pack(x, desc, offs, pool, 32)
     zb.pack(x.view(torch.int16).view(-1, 32), desc.view(-1), offs.view(-1), ref)
     assert torch.equal(pool, ref) and int(pool[0]) == 0xAA
+    unchecked = torch.full_like(pool, 0xAA)  # check=False (offsets checked by the caller): the same bytes
+    ze.pack(x, desc, offs, unchecked, 32, check=False)
+    assert torch.equal(unchecked, ref)
+    with pytest.raises(ValueError, match="outside"):
+        ze.pack(x, desc, offs + 512, pool, 32)
+    with pytest.raises(TypeError, match="uint8"):
+        ze.pack(x, desc, offs, pool.view(torch.int16), 32, check=False)
 
 
 def test_triton_refusals(monkeypatch: pytest.MonkeyPatch) -> None:

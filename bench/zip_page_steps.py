@@ -1,0 +1,505 @@
+"""Host cost of the compressed pool's *page steps* on the CPU, at the bookkeeping scale of the H200 engine run.
+
+What it reproduces: bench/zip_engine.py on the H200 (bench/results/zip_engine_cuda_graphs_h200_split.json, zip
+backend, Llama-3.1-8B KV shape: 32 layers, 8 KV heads, page 16, 8192-token prefixes, a 53.6 GiB budget = 55,143
+chunks of 255 raw-group slots, 36,618 page ids). Every 16th decode step every sequence fills a page: the scheduler
+allocates a new page per sequence (evicting cached prefix pages when the pool is full) and the filled pages are
+compressed (``compress_begin`` in one step, ``compress_finish`` in the next). Those steps cost ~44 ms against
+23.5 ms at batch 65, with 15 ms in ``Scheduler.schedule`` and 21 ms in compress (host).
+
+How: no model. The engine's scheduler, block manager and compressed store are driven as ``LLMEngine.step`` and
+``ModelRunner.execute`` drive them (schedule, write the step's K/V, ``compress_finish`` / ``compress_begin``, commit
+the pages, sample a token), through the bench's history: 48 prefixes prefilled (the probe), batch 48 decoded 257
+tokens, then batch 65 (17 more prefixes prefilled into a full pool: in-place compression, prefix evictions) decoded
+257 tokens. The bookkeeping (page ids, chunks, slots per chunk, groups per page, size classes, layers) is the H200
+run's; only the bytes shrink: head_dim 8 and 32-value blocks (4 blocks per group, as d=128 with 512-value blocks), so
+the pool is 3.4 GiB. The K/V values are constant but for a per-block outlier that makes ~21% of K blocks and ~7% of V
+blocks of prefill steps incompressible (the H200 run measured 79% / 93% compressible on the real-model KV its
+prefixes got), 5% of decode steps' (the random model's own KV there), picked by a hash of (layer, page, head, block).
+
+Reported: per page step of the final batch, host ms in ``schedule`` and in compress (begin of the step before +
+finish), split by cProfile into Python bookkeeping and torch tensor ops (on the CPU the tensor ops are real compute;
+on the GPU they are launches, and any host sync there waits for the device). ``--kvtide DIR`` imports kvtide from
+another tree (e.g. ``git archive`` of an older commit) so before/after runs replay the same history; the JSON holds
+a digest of the final tables and pool bytes, equal when two versions place every group the same way.
+
+    python bench/zip_page_steps.py --out bench/results/zip_page_steps_cpu.json            # ~2-4 min, ~5 GiB RAM
+    python bench/zip_page_steps.py --out /tmp/small.json --layers 4 --budget-scale 0.1    # quick look
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import importlib.util
+import itertools
+import json
+import math
+import os
+import pickle
+import platform
+import pstats
+import statistics
+import sys
+import time
+import types
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _import_kvtide(root: str | None):
+    sys.path.insert(0, root or str(Path(__file__).resolve().parents[1]))
+    import kvtide  # noqa: F401
+    from kvtide.cache.zip_pages import ZipGeometry, ZipPagedKV
+    from kvtide.config import SchedulerConfig
+    from kvtide.engine.block_manager import BlockManager
+    from kvtide.engine.sampling_params import SamplingParams
+    from kvtide.engine.scheduler import Scheduler
+    from kvtide.engine.sequence import Sequence, Status
+
+    return ZipGeometry, ZipPagedKV, SchedulerConfig, BlockManager, SamplingParams, Scheduler, Sequence, Status
+
+
+PAGE = 16
+OLD = "kvtide_old"  # the package name another tree is imported under (--ab)
+
+
+def _import_tree_as(root: str, alias: str = OLD) -> None:
+    """Import the kvtide package of another tree under another name (its modules import each other relatively)."""
+    init = Path(root) / "kvtide" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(alias, init, submodule_search_locations=[str(init.parent)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = mod
+    spec.loader.exec_module(mod)
+
+
+def _pickle_as(alias: str) -> types.ModuleType:
+    """A pickle module for torch.load that resolves kvtide's classes in package ``alias`` instead."""
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if module == "kvtide" or module.startswith("kvtide."):
+                module = alias + module[len("kvtide"):]
+            return super().find_class(module, name)
+
+    m = types.ModuleType(f"pickle_as_{alias}")
+    m.Unpickler, m.Pickler, m.load, m.dump = Unpickler, pickle.Pickler, pickle.load, pickle.dump
+    return m
+
+
+def mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64-style hash of int64 keys -> uniform floats in [0, 1)."""
+    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (wrapping multiply)
+    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+    x = x * -4658895280553007687
+    x = x ^ ((x >> 29) & 0x7FFFFFFFF)
+    return (x & 0xFFFFFF).double() / float(1 << 24)
+
+
+class KVWriter:
+    """K/V of a step's tokens: 1.0 everywhere, and 2^40 in dim 0 of every token of a block picked incompressible."""
+
+    def __init__(self, heads: int, head_dim: int, block_tokens: int, p_raw: tuple[float, float], p_raw_decode: float):
+        self.h, self.d, self.bt, self.p_raw, self.p_raw_decode = heads, head_dim, block_tokens, p_raw, p_raw_decode
+
+    def __call__(self, layer: int, slots: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        page, blk = slots // PAGE, (slots % PAGE) // self.bt
+        key = (page[:, None] * 1_000_003 + torch.arange(self.h)[None, :] * 7919 + layer * 104_729 + blk[:, None] * 31)
+        out = []
+        for kind in (0, 1):
+            raw = mix(key * 2 + kind) < (self.p_raw_decode if decode else self.p_raw[kind])  # [T, H]
+            x = torch.ones(len(slots), self.h, self.d)
+            x[..., 0] = torch.where(raw, 2.0**40, 1.0)
+            out.append(x.to(torch.bfloat16))
+        return out[0], out[1]
+
+
+TRACED = {  # inclusive host time and calls of these, per step (a method missing in a version is skipped)
+    "kvtide.engine.block_manager": ("BlockManager", ["allocate_all", "_make_room"]),
+    "kvtide.cache.zip_pages": ("ZipPagedKV", ["free_pages", "alloc_pages", "release_pages", "_finish", "_place",
+                                              "_raw_groups", "_analyze", "_pack", "_count_stored"]),
+    "kvtide.cache.pool": ("ChunkPool", ["alloc", "free", "new_pages_fit", "_take_chunk", "_return_chunk"]),
+}
+
+
+class Clock:
+    """Host seconds per phase of the current step, and of the traced functions inside them (calls counted)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def time(self, name: str, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t
+            self.spent[f"{name}#calls"] = self.spent.get(f"{name}#calls", 0) + 1
+
+    def trace(self, package: str = "kvtide") -> None:
+        """Wrap the TRACED methods of ``package`` (class attributes: every instance, this process only)."""
+        import importlib
+
+        for mod, (cls_name, names) in TRACED.items():
+            cls = getattr(importlib.import_module(package + mod[len("kvtide"):]), cls_name)
+            for name in names:
+                fn = getattr(cls, name, None)
+                if fn is not None and not getattr(fn, "_traced", False):
+                    setattr(cls, name, self._wrap(fn, f"{cls_name}.{name}"))
+
+    def _wrap(self, fn, label: str):
+        clock = self
+
+        def traced(*args, **kw):
+            return clock.time(label, lambda: fn(*args, **kw))
+
+        traced._traced = True
+        return traced
+
+    def take(self) -> dict[str, float]:
+        out, self.spent = self.spent, {}
+        return out
+
+
+class FakeEngine:
+    """LLMEngine.step without the model: the same calls into scheduler, block manager and store, in the same order."""
+
+    def __init__(self, kv, a) -> None:
+        ZipGeometry, ZipPagedKV, SchedulerConfig, BlockManager, self.SamplingParams, Scheduler, self.Sequence, \
+            self.Status = kv
+        self.geo = ZipGeometry(a.layers, a.kv_heads, a.head_dim, PAGE, block_size=a.head_dim * PAGE // 4)
+        per_seq = math.ceil((a.context + a.steps) / PAGE)
+        budget = int((int(a.budget_seqs * per_seq) + 8) * self.geo.raw_page_bytes * a.budget_scale)
+        self.store = ZipPagedKV(self.geo, budget, "cpu")
+        self.bm = BlockManager(0, PAGE, True, store=self.store)
+        cfg = SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
+                              max_model_len=a.context + a.steps + PAGE)
+        self.sched = Scheduler(cfg, self.bm)
+        self.writer = KVWriter(a.kv_heads, a.head_dim, self.geo.block_size // a.head_dim, (a.p_raw_k, a.p_raw_v),
+                               a.p_raw_decode)
+        self.clock = Clock()
+        self.profiler: cProfile.Profile | None = None
+        self.ids = 0
+
+    def add(self, prompt: list[int], max_tokens: int) -> None:
+        self.ids += 1
+        self.sched.add(self.Sequence(f"r{self.ids}", None, prompt, self.SamplingParams(max_tokens=max_tokens)))
+
+    def _timed(self, name: str, fn, *args):
+        if self.profiler is not None:
+            self.profiler.enable()
+        try:
+            return self.clock.time(name, fn, *args)
+        finally:
+            if self.profiler is not None:
+                self.profiler.disable()
+
+    def step(self):
+        plan = self._timed("schedule", self.sched.schedule)
+        if not plan.batch:
+            raise RuntimeError("nothing scheduled")
+        slots = []
+        for seq, n in plan.batch:
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                slots.append(seq.pages[pos // PAGE] * PAGE + pos % PAGE)
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        rows = self.store.write_rows(slots_t)
+        decode_only = all(n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens for seq, n in plan.batch)
+        t = time.perf_counter()
+        for layer in range(self.geo.num_layers):
+            self.store.write(layer, *self.writer(layer, slots_t, decode_only), slots_t, rows)
+        self.clock.spent["write"] = time.perf_counter() - t
+        filled = [pid for seq, n in plan.batch
+                  for pid in seq.pages[seq.num_computed_tokens // PAGE:(seq.num_computed_tokens + n) // PAGE]]
+        self._timed("compress_finish", self.store.compress_finish)
+        self._timed("compress_begin", self.store.compress_begin, filled)
+        if not decode_only:
+            self._timed("compress_finish", self.store.compress_finish)
+        for seq, n in plan.batch:
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            seq.output_token_ids.append(1 + (seq.num_tokens * 7919) % 30000)  # a deterministic "sampled" token
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                seq.status = self.Status.FINISHED
+                self.sched.finish(seq)
+        if not self.sched.has_work():
+            self.store.compress_finish()
+        return plan, decode_only
+
+    def page_events(self) -> tuple[int, int]:
+        return self.store.counters["pages_compressed"], self.store.counters["pages_allocated"]
+
+    def steps(self, batch: int, profile: list | None = None):
+        """Step until idle, yielding (kind, host seconds by phase and traced function) of each step where all
+        ``batch`` sequences decode, after the first (the bench leaves it untimed); kind "page": it allocated or
+        compressed pages, "begin": it staged filled pages (compress_begin), else "plain". ``profile`` gets one
+        cProfile per page or begin step (their schedule and compress calls only)."""
+        decoded = 0
+        while self.sched.has_work():
+            ev0 = self.page_events()
+            fills = any(len(s.pages) * PAGE <= s.num_computed_tokens + 1 for s in self.sched.running)
+            if profile is not None and decoded >= 1 and (self.store._pending or fills):
+                self.profiler = cProfile.Profile()
+            plan, decode_only = self.step()
+            prof, self.profiler = self.profiler, None
+            spent = self.clock.take()
+            if not decode_only or len(plan.batch) != batch:
+                continue
+            decoded += 1
+            kind = "page" if self.page_events() != ev0 else "begin" if self.store._pending else "plain"
+            if decoded > 1:
+                if prof is not None:
+                    profile.append((kind, prof))
+                yield kind, spent
+
+    def drain(self, batch: int = -1, record: list | None = None, profile: list | None = None) -> None:
+        for row in self.steps(batch, profile):
+            if record is not None:
+                record.append(row)
+
+
+def prompt(i: int, context: int) -> list[int]:
+    return torch.randint(0, 128000, (context,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
+
+
+def digest(store) -> str:
+    """Hash of where every group is and what the pool holds: equal across versions iff they placed alike."""
+    h = hashlib.blake2b(digest_size=16)
+    for arr in (store._starts_host, store._class_host, store.state, store.group_desc_all.numpy(),
+                store.group_start_all.numpy()):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    h.update(store.pool.numpy()[::4096].tobytes())  # a sample of the bytes (the whole pool takes seconds to hash)
+    h.update(json.dumps(store.counters, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def split_profile(profs: list[tuple[str, cProfile.Profile]]) -> dict:
+    """Per page cycle (a page step and the begin step before it): cProfile's top functions by self and cumulative
+    time. Its overhead inflates torch's CPU ops many times over: read it for calls and Python-side shares only."""
+    cycles = sum(kind == "page" for kind, _ in profs) or 1
+    st = pstats.Stats(profs[0][1])
+    for _, p in profs[1:]:
+        st.add(p)
+    rows = []
+    for (file, line, name), (cc, nc, tt, ct, callers) in st.stats.items():
+        rows.append({"where": f"{Path(file).name}:{line}:{name}" if line else name, "calls": nc / cycles,
+                     "self_ms": tt * 1e3 / cycles, "cum_ms": ct * 1e3 / cycles})
+    return {"page_cycles": cycles, "total_self_ms": sum(r["self_ms"] for r in rows),
+            "top_self": sorted(rows, key=lambda r: -r["self_ms"])[:30],
+            "top_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:40]}
+
+
+def summarise(host: list[tuple[str, dict]]) -> dict:
+    """Median and mean host ms of every phase and traced function, per kind of step; calls per step."""
+    out = {}
+    for kind in ("page", "begin", "plain"):
+        rows = [h for k, h in host if k == kind]
+        if not rows:
+            continue
+        keys = sorted({k for h in rows for k in h})
+        out[kind] = {"steps": len(rows)}
+        for key in keys:
+            vals = [h.get(key, 0) for h in rows]
+            if key.endswith("#calls"):
+                out[kind][key] = statistics.mean(vals)
+            else:
+                out[kind][f"{key}_ms"] = {"median": statistics.median(vals) * 1e3, "mean": statistics.mean(vals) * 1e3}
+        comp = [h.get("compress_finish", 0.0) + h.get("compress_begin", 0.0) for h in rows]
+        out[kind]["compress_ms"] = {"median": statistics.median(comp) * 1e3, "mean": statistics.mean(comp) * 1e3}
+    if "page" in out:
+        out["page_ms_each"] = [{k: round(v * 1e3, 3) for k, v in h.items() if not k.endswith("#calls")}
+                               for k, h in host if k == "page"]
+    return out
+
+
+_VIEWS = ("_pool16", "_raw_rows", "group_start", "group_desc")  # views of the store's tensors, rebuilt on load
+
+
+def save_state(eng: FakeEngine, path: Path) -> None:
+    """torch.save of the engine; the store's views are left out (torch.save refuses one storage under two dtypes)."""
+    held = {k: eng.store.__dict__.pop(k) for k in _VIEWS if k in eng.store.__dict__}
+    try:
+        torch.save(eng, path)
+    finally:
+        eng.store.__dict__.update(held)
+
+
+def load_state(path: Path, package: str = "kvtide") -> FakeEngine:
+    eng = torch.load(path, weights_only=False, **({"pickle_module": _pickle_as(package)} if package != "kvtide" else {}))
+    st = eng.store
+    st._pool16 = st.pool.view(torch.int16)
+    rb = st.geo.raw_group_bytes
+    st._raw_rows = st.pool.view(-1, rb) if st.alloc.geo.chunk_bytes % rb == 0 else None
+    st.group_start, st.group_desc = list(st.group_start_all.unbind(0)), list(st.group_desc_all.unbind(0))
+    return eng
+
+
+def build_history(eng: FakeEngine, batches: list[int], context: int) -> None:
+    """The bench's history up to the last batch's decode: probe of the first batch, each batch warmed and decoded,
+    then the last batch warmed (prefixes not cached are prefilled: the pool fills, prefixes are evicted)."""
+    t0 = time.perf_counter()
+    for i in range(batches[0]):  # the probe: prefixes prefilled (and compressed), one token each
+        eng.add(prompt(i, context), 1)
+    eng.drain(-1)
+    print(f"probe of {batches[0]} prefixes: {time.perf_counter() - t0:.1f} s", flush=True)
+    for b in batches[:-1]:
+        run_batch(eng, b, context)
+    warm(eng, batches[-1], context)
+
+
+def warm(eng: FakeEngine, b: int, context: int) -> None:
+    """timed()'s first half: prefill (and compress) whatever of the b prefixes is not cached."""
+    for i in range(b):
+        eng.add(prompt(i, context), 1)
+    eng.drain(-1)
+
+
+def decode(eng: FakeEngine, b: int, context: int, profile: list | None = None) -> dict:
+    """timed()'s second half: the b prefixes decode steps + 2 tokens; host times per kind of step."""
+    t0 = time.perf_counter()
+    for i in range(b):
+        eng.add(prompt(i, context), eng.decode_steps + 2)
+    host: list[tuple[str, dict]] = []
+    eng.drain(b, host, profile)
+    out = {"batch": b, "seconds": time.perf_counter() - t0, **summarise(host)}
+    if profile:
+        out["profile"] = split_profile(profile)
+    pg = out.get("page", {})
+    print(f"batch {b}: {pg.get('steps', 0)} page steps: schedule median {pg['schedule_ms']['median']:.2f} ms (mean "
+          f"{pg['schedule_ms']['mean']:.2f}), compress median {pg['compress_ms']['median']:.2f} ms (mean "
+          f"{pg['compress_ms']['mean']:.2f}); begin steps' compress_begin median "
+          f"{out['begin']['compress_begin_ms']['median']:.2f} ms; plain steps' schedule "
+          f"{out['plain']['schedule_ms']['median']:.3f} ms" if pg else f"batch {b}: no page step", flush=True)
+    return out
+
+
+def ab(new: FakeEngine, old: FakeEngine, b: int, context: int) -> dict:
+    """The last batch's decode on two engines in one process, step by step in turn (the first to step alternates):
+    host times of the two versions on the same states under the same machine load; the states must stay equal."""
+    for eng in (new, old):
+        for i in range(b):
+            eng.add(prompt(i, context), eng.decode_steps + 2)
+    runs = {"new": new.steps(b), "old": old.steps(b)}
+    host: dict[str, list] = {"new": [], "old": []}
+    for i in itertools.count():
+        rows = {name: next(runs[name], None) for name in (("new", "old") if i % 2 == 0 else ("old", "new"))}
+        if None in rows.values():
+            assert all(r is None for r in rows.values()), "the two versions decoded a different number of steps"
+            break
+        assert rows["new"][0] == rows["old"][0], "the two versions' steps differ in kind"
+        for name, row in rows.items():
+            host[name].append(row)
+    out = {name: summarise(rows) for name, rows in host.items()}
+    out["digest"] = {"new": digest(new.store), "old": digest(old.store)}
+    assert out["digest"]["new"] == out["digest"]["old"], "the two versions left different pools"
+    pages = [(n["schedule"], o["schedule"], n.get("compress_finish", 0) + n.get("compress_begin", 0),
+              o.get("compress_finish", 0) + o.get("compress_begin", 0))
+             for (k, n), (_, o) in zip(host["new"], host["old"]) if k == "page"]
+    out["page_steps_ms_new_old"] = [[round(x * 1e3, 3) for x in row] for row in pages]
+    for label, col in (("schedule", 0), ("compress", 2)):
+        new_ms = statistics.median(r[col] for r in pages) * 1e3
+        old_ms = statistics.median(r[col + 1] for r in pages) * 1e3
+        tot_n, tot_o = sum(r[col] for r in pages) * 1e3, sum(r[col + 1] for r in pages) * 1e3
+        out[f"page_{label}_ms"] = {"old_median": old_ms, "new_median": new_ms, "old_sum": tot_o, "new_sum": tot_n}
+        print(f"page steps ({len(pages)}), {label}: median {old_ms:.2f} -> {new_ms:.2f} ms, sum over the run "
+              f"{tot_o:.1f} -> {tot_n:.1f} ms", flush=True)
+    return out
+
+
+def run_batch(eng: FakeEngine, b: int, context: int, profile: list | None = None) -> dict:
+    warm(eng, b, context)
+    return decode(eng, b, context, profile)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--kvtide", default=None, help="import kvtide from this tree (before/after comparisons)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=8, help="8: 32-value blocks, 4 per group (as d=128, block 512)")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=255)
+    ap.add_argument("--batches", default="48,65", help="the H200 run's: probe of the first, then each in turn")
+    ap.add_argument("--budget-seqs", type=float, default=52.0)
+    ap.add_argument("--budget-scale", type=float, default=1.0, help="shrink the budget (quick looks only)")
+    ap.add_argument("--step-tokens", type=int, default=16384)
+    ap.add_argument("--p-raw-k", type=float, default=0.21, help="share of K blocks made incompressible")
+    ap.add_argument("--p-raw-v", type=float, default=0.07, help="share of V blocks made incompressible")
+    ap.add_argument("--p-raw-decode", type=float, default=0.05,
+                    help="the same for K and V written by decode steps (the bench's random model: Gaussian-like KV, "
+                         "~95%% of 512-value blocks compressible)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the last batch's page and begin steps (a separate run: the profiler inflates "
+                         "torch's CPU ops many times over, so time without it)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: with a busy second core, 2 threads made small ops up to 40x slower)")
+    ap.add_argument("--no-trace", action="store_true", help="do not time the TRACED functions")
+    ap.add_argument("--snapshot", type=Path, help="save the state before the last batch's decode here (torch.save)")
+    ap.add_argument("--resume", type=Path, help="load such a state (saved by the same kvtide tree) and only decode")
+    ap.add_argument("--ab", metavar="OLD_TREE",
+                    help="also load OLD_TREE's kvtide (as kvtide_old) with its state --ab-resume, and decode both in "
+                         "turn, step by step (needs --resume; twice the memory)")
+    ap.add_argument("--ab-resume", type=Path, help="the state OLD_TREE saved with --snapshot")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    kv = _import_kvtide(a.kvtide)
+    import kvtide
+
+    batches = [int(b) for b in a.batches.split(",")]
+    if a.resume:
+        t0 = time.perf_counter()
+        eng = load_state(a.resume)
+        print(f"resumed {a.resume} in {time.perf_counter() - t0:.1f} s", flush=True)
+    else:
+        eng = FakeEngine(kv, a)
+        eng.decode_steps = a.steps
+        build_history(eng, batches, a.context)
+        if a.snapshot:
+            save_state(eng, a.snapshot)
+    if not a.no_trace:
+        eng.clock.trace()
+    if a.ab:
+        if not (a.resume and a.ab_resume):
+            sys.exit("--ab needs --resume (this tree's state) and --ab-resume (OLD_TREE's)")
+        _import_tree_as(a.ab)
+        old = load_state(a.ab_resume, OLD)
+        if not a.no_trace:
+            old.clock.trace(OLD)
+        run = ab(eng, old, batches[-1], a.context)
+    else:
+        run = decode(eng, batches[-1], a.context, [] if a.profile else None)
+    st = eng.store.stats()
+    res = {
+        "env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or
+                platform.machine(), "cpus": torch.get_num_threads(), "python": platform.python_version(),
+                "torch": torch.__version__, "kvtide_from": str(Path(kvtide.__file__).parents[1]),
+                "load_average": os.getloadavg()},
+        "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "geometry": {"layers": eng.geo.num_layers, "kv_heads": eng.geo.num_kv_heads, "head_dim": eng.geo.head_dim,
+                     "block_size": eng.geo.block_size, "blocks_per_group": eng.geo.blocks_per_group,
+                     "chunk_bytes": eng.store.alloc.geo.chunk_bytes, "num_chunks": eng.store.alloc.geo.num_chunks,
+                     "raw_slots_per_chunk": eng.store.alloc.geo.slots_per_chunk(0),
+                     "num_page_ids": eng.store.num_page_ids, "pool_bytes": eng.store.pool.numel()},
+        "note": "CPU, no model: the engine's scheduler, block manager and compressed store driven as the engine does; "
+                "bookkeeping at the H200 run's scale (pages, chunks, slots, layers), bytes shrunk (head_dim 8); "
+                "synthetic K/V with a chosen share of incompressible blocks. Tensor ops are CPU compute here, "
+                "launches on a GPU. Host ms of the last batch's decode by kind of step: page (allocates and finishes "
+                "compressing pages), begin (stages the pages that filled), plain.",
+        "run": run,
+        "kv_stats_end": {**{k: v for k, v in st.items() if isinstance(v, (int, float, bool))},
+                         "prefix_evictions": eng.bm.stats["evictions"], "preemptions": eng.sched.num_preemptions},
+        "digest": digest(eng.store),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2))
+    print(f"end: {json.dumps(res['kv_stats_end'])}\ndigest {res['digest']}; wrote {a.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

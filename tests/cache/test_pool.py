@@ -1,0 +1,249 @@
+"""ChunkPool's batched bookkeeping against the plain loops it replaced: same offsets, same state, same set order.
+
+The allocator breaks ties between equally full chunks by the iteration order of each slab's set, so "the same
+state" includes that order: the sets must see the same adds and discards in the same order.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtide.cache.pool import ChunkPool, PoolGeometry
+from kvtide.cache.zip_pages import ZipGeometry, ZipPagedKV
+
+
+class LoopPool(ChunkPool):
+    """alloc and free as they were before the batched versions (one Python iteration per chunk, numpy per chunk)."""
+
+    def alloc(self, layer: int, k: int, count: int) -> np.ndarray:
+        out: list[np.ndarray] = []
+        got = 0
+        size = self.geo.slot_bytes(k)
+        cb = self.geo.chunk_bytes
+        chunks = self.open[layer][k]
+        cand = np.fromiter(chunks, dtype=np.int64, count=len(chunks))
+        queue = iter(cand[np.argsort(-self.used[cand], kind="stable")].tolist())
+        while got < count:
+            c = next(queue, None)
+            if c is None:
+                c = self._take_chunk(layer, k)
+            if c is None:
+                break
+            free = self.slot_free[c]
+            take = min(count - got, len(free))
+            slots = free[len(free) - take:]
+            del free[len(free) - take:]
+            out.append(c * cb + np.asarray(slots[::-1], dtype=np.int64) * size)
+            self.used[c] += take
+            got += take
+            if k == 0:
+                self.raw_free_slots[layer] -= take
+            if not free:
+                chunks.discard(c)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def free(self, offsets: np.ndarray) -> None:
+        offs = np.asarray(offsets, dtype=np.int64).ravel()
+        if not offs.size:
+            return
+        cb = self.geo.chunk_bytes
+        chunk = offs // cb
+        order = np.argsort(chunk, kind="stable")
+        chunk, offs = chunk[order], offs[order]
+        cuts = np.flatnonzero(np.diff(chunk)) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [chunk.size]])
+        last = np.maximum.reduceat(order, starts)
+        groups = np.argsort(last, kind="stable")
+        for c, a, b in zip(chunk[starts][groups].tolist(), starts[groups].tolist(), ends[groups].tolist()):
+            layer, k = int(self.owner[c]), int(self.klass[c])
+            n = b - a
+            self.slot_free[c].extend(((offs[a:b] - c * cb) // self.geo.slot_bytes(k)).tolist())
+            self.used[c] -= n
+            self.open[layer][k].add(c)
+            if k == 0:
+                self.raw_free_slots[layer] += n
+            if self.used[c] == 0:
+                self._return_chunk(c)
+
+
+def assert_same_state(a: ChunkPool, b: ChunkPool) -> None:
+    assert a.slot_free == b.slot_free
+    assert [[list(s) for s in per] for per in a.open] == [[list(s) for s in per] for per in b.open], "set order"
+    for name in ("owner", "klass", "used", "raw_free_slots", "last_owner"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.private_free == b.private_free and a.shared_free == b.shared_free
+    assert (a.chunks_returned, a.shared_reuses) == (b.chunks_returned, b.shared_reuses)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_alloc_and_free_equal_the_loops_on_random_workloads(seed: int) -> None:
+    """Random allocations (all layers and classes, often more than fits) and frees (shuffled subsets across chunks,
+    emptying some) on a small pool: every call returns the same offsets and leaves the same state."""
+    rng = np.random.default_rng(seed)
+    geo = PoolGeometry(num_layers=3, groups_per_page=4, blocks_per_group=4, block_size=32, chunk_bytes=256 * 7,
+                       num_chunks=40, private_chunks=1)
+    new, old = ChunkPool(geo), LoopPool(geo)
+    if seed % 2:  # the sort key of pools with more than 65,536 chunks (int64 instead of 16 bits)
+        new._chunk_key = np.int64
+    held: list[int] = []
+    for _ in range(300):
+        if held and rng.random() < 0.45:
+            idx = rng.permutation(len(held))[: rng.integers(1, len(held) + 1)]
+            give = np.asarray(held)[idx]
+            held = [h for i, h in enumerate(held) if i not in set(idx.tolist())]
+            new.free(give)
+            old.free(give.copy())
+        else:
+            layer, k, n = int(rng.integers(3)), int(rng.integers(geo.num_classes)), int(rng.integers(0, 40))
+            got_new, got_old = new.alloc(layer, k, n), old.alloc(layer, k, n)
+            assert got_new.dtype == np.int64 and np.array_equal(got_new, got_old)
+            held += got_new.tolist()
+        assert_same_state(new, old)
+        assert new.new_pages_fit() == old.new_pages_fit() and new.new_pages_fit(False) == old.new_pages_fit(False)
+    assert new.chunks_returned > 0 and new.shared_reuses > 0, "the workload should return and reuse chunks"
+
+
+def test_alloc_from_a_dry_pool_gives_nothing_and_changes_nothing() -> None:
+    geo = PoolGeometry(num_layers=2, groups_per_page=2, blocks_per_group=2, block_size=512, chunk_bytes=2048 * 3,
+                       num_chunks=2, private_chunks=1)
+    pool = ChunkPool(geo)
+    assert len(pool.alloc(0, 0, 3)) == 3 and len(pool.alloc(1, 1, 100)) == geo.slots_per_chunk(1)
+    assert not pool.can_alloc(0, 1) and pool.can_alloc(1, 1) is False
+    before = (pool.slot_free[0][:], pool.used.copy())
+    assert pool.alloc(0, 1, 5).size == 0 and pool.alloc(0, 0, 0).size == 0
+    assert pool.slot_free[0] == before[0] and np.array_equal(pool.used, before[1])
+
+
+class LoopPlaceStore(ZipPagedKV):
+    """ZipPagedKV with the placement as it was before (every call made, every segment visited) over a LoopPool."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.alloc = LoopPool(self.alloc.geo)
+
+    def _place(self, layer: int, cls: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+        todo = np.nonzero(cls > 0)[0]
+        if not len(todo):
+            return
+        placed = []
+        for k in np.unique(cls[todo]).tolist():
+            sel = todo[cls[todo] == k]
+            offs = self.alloc.alloc(layer, k, len(sel))
+            new[sel[: len(offs)]] = offs
+            placed.append(sel[: len(offs)])
+        placed = np.concatenate(placed)
+        self.alloc.free(old[placed])
+        if len(placed) == len(todo):
+            return
+        todo = np.setdiff1d(todo, placed)
+        chunk = old[todo] // self.alloc.geo.chunk_bytes
+        todo = todo[np.argsort(chunk, kind="stable")]
+        cuts = np.nonzero(np.diff(np.sort(chunk)))[0] + 1
+        for seg in np.split(todo, cuts):
+            placed = []
+            for k in np.unique(cls[seg]).tolist():
+                sel = seg[cls[seg] == k]
+                offs = self.alloc.alloc(layer, k, len(sel))
+                got = sel[: len(offs)]
+                new[got] = offs
+                placed.append(got)
+                if len(offs) < len(sel):
+                    n = len(sel) - len(offs)
+                    self.counters["groups_in_place"] += n
+                    self.counters["in_place_waste_bytes"] += n * (self.geo.raw_group_bytes - self.alloc.geo.slot_bytes(k))
+            self.alloc.free(old[np.concatenate(placed)])
+
+
+def spiky_kv(geo: ZipGeometry, t: int, gen: torch.Generator, p: float) -> torch.Tensor:
+    """[t, heads, head_dim] BF16, narrow but for one huge value in a random share p of (4-token, head) cells: with
+    256-value blocks of head_dim 64 that spoils whole blocks, so groups land in every class 0..4."""
+    x = (torch.rand(t, geo.num_kv_heads, geo.head_dim, generator=gen) * 0.9 + 0.1)
+    spoil = torch.rand(t // 4, geo.num_kv_heads, generator=gen) < p
+    x.view(t // 4, 4, geo.num_kv_heads, geo.head_dim)[..., 0, :, 0][spoil] = 1e6
+    return x.to(torch.bfloat16)
+
+
+def assert_same_store(a: ZipPagedKV, b: ZipPagedKV) -> None:
+    assert_same_state(a.alloc, b.alloc)
+    for name in ("_starts_host", "_class_host", "state", "_generation"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.counters == b.counters
+    assert torch.equal(a.group_start_all, b.group_start_all) and torch.equal(a.group_desc_all, b.group_desc_all)
+    assert torch.equal(a.pool, b.pool)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_store_places_every_group_as_the_loops_did_in_a_tight_pool(seed: int) -> None:
+    """Pages allocated, written, compressed (both halves, a step apart) and released at random in a pool too small
+    for all of them (prefix-cache pressure): the batched placement (early in-place exit included) and allocator
+    leave the pool, the tables and every counter exactly as the old loops do, step by step."""
+    geo = ZipGeometry(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, block_size=256)
+    chunk = geo.raw_group_bytes * 4
+    kw = dict(budget_bytes=geo.num_layers * chunk * 3 + 5 * chunk, chunk_bytes=chunk, private_chunks=2)
+    new, old = ZipPagedKV(geo, **kw), LoopPlaceStore(geo, **kw)
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    held: list[int] = []
+    in_place = 0
+    for _ in range(40):
+        for st in (new, old):
+            st.compress_finish()  # the previous round's pages, one "step" later
+        room = new.free_pages(reserve=False)
+        assert room == old.free_pages(reserve=False) and new.free_pages() == old.free_pages()
+        fresh = [p for p in range(new.num_page_ids) if new.state[p] == -1][: int(rng.integers(0, min(room, 8) + 1))]
+        slots = torch.tensor([p * geo.page_size + o for p in fresh for o in range(geo.page_size)], dtype=torch.long)
+        kv = [(spiky_kv(geo, len(slots), gen, 0.3), spiky_kv(geo, len(slots), gen, 0.1)) for _ in range(3)]
+        for st in (new, old):
+            st.alloc_pages(fresh)
+            for layer, (k, v) in enumerate(kv):
+                st.write(layer, k, v, slots)
+            st.compress_begin(fresh)
+        held += fresh
+        if held and rng.random() < 0.5:
+            gone = [held.pop(int(i)) for i in sorted(rng.choice(len(held), rng.integers(1, len(held) + 1),
+                                                                replace=False), reverse=True)]
+            for st in (new, old):
+                st.release_pages(gone)
+        assert_same_store(new, old)
+        in_place = new.counters["groups_in_place"]
+    assert in_place > 0 and new.alloc.chunks_returned > 0, "the workload should compress in place and return chunks"
+
+
+class _Placer:
+    """What ZipPagedKV._place touches, over a bare ChunkPool (a pool state built by hand)."""
+
+    def __init__(self, pool: ChunkPool, geo: ZipGeometry, place) -> None:
+        self.alloc, self.geo, self._place_fn = pool, geo, place
+        self.counters = {"groups_in_place": 0, "in_place_waste_bytes": 0}
+
+    _alloc_into = ZipPagedKV._alloc_into
+    _in_place = ZipPagedKV._in_place
+
+    def place(self, *args) -> None:
+        self._place_fn(self, *args)
+
+
+def test_placement_that_runs_dry_part_way_through_the_raw_chunks_equals_the_loops() -> None:
+    """Hand-built: the first pass fills the one open compressed chunk and empties a raw chunk, which comes back and
+    serves the next raw chunks' groups until it is full; the rest (one short in a chunk, then a whole chunk) is
+    compressed in place. The batched placement stops early there; offsets, counters and pool state must not differ."""
+    geo = ZipGeometry(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, block_size=256)
+    pg = PoolGeometry(1, geo.groups_per_page, geo.blocks_per_group, geo.block_size, chunk_bytes=geo.raw_group_bytes * 4,
+                      num_chunks=6, private_chunks=0)
+    assert (pg.slots_per_chunk(0), pg.slots_per_chunk(4)) == (4, 5)
+    out = []
+    for pool_cls, place in ((ChunkPool, ZipPagedKV._place), (LoopPool, LoopPlaceStore._place)):
+        pool = pool_cls(pg)
+        raw = pool.alloc(0, 0, 20)  # raw chunks 0..4, four groups each
+        assert len(pool.alloc(0, 4, 1)) == 1 and not pool.shared_free  # a compressed chunk with 4 free slots; no more
+        old = np.concatenate([raw[0:4], raw[4:6], raw[8:10], raw[12:14], raw[16:18]])  # half of chunks 1..4 stay
+        placer = _Placer(pool, geo, place)
+        new = old.copy()
+        placer.place(0, np.full(len(old), 4, dtype=np.int8), old, new)
+        out.append((pool, new, placer.counters))
+    (a, new_a, ca), (b, new_b, cb) = out
+    assert np.array_equal(new_a, new_b) and ca == cb
+    assert_same_state(a, b)
+    assert ca["groups_in_place"] == 3 and (new_a != old).sum() == 9
