@@ -197,7 +197,7 @@ class ZipPagedKV:
         idx = self._to_device(np.asarray(pids, dtype=np.int64))
         starts = self._to_device(self._starts_host[:, pids])
         self.group_start_all[:, idx] = starts
-        self.group_desc_all[:, idx] = zb.RAW
+        self.group_desc_all.index_fill_(1, idx, zb.RAW)  # setitem would copy a CPU scalar: a host sync on CUDA
         # Zero the new raw groups: slots hold a previous owner's bytes (compressed codes read as BF16 can be
         # NaN), and readers that load whole pages mask the unwritten tail, which 0 * NaN would defeat.
         self._raw_groups(starts, zero=True)
