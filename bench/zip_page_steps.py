@@ -16,15 +16,28 @@ run's; only the bytes shrink: head_dim 8 and 32-value blocks (4 blocks per group
 the pool is 3.4 GiB. The K/V values are constant but for a per-block outlier that makes ~21% of K blocks and ~7% of V
 blocks of prefill steps incompressible (the H200 run measured 79% / 93% compressible on the real-model KV its
 prefixes got), 5% of decode steps' (the random model's own KV there), picked by a hash of (layer, page, head, block).
+The end state matches the H200 run's closely (pages held 34,587 vs 34,623, compressed in all 35,297 vs 35,297,
+groups in place 498K vs 507K, prefix evictions 710 vs 674, no preemption).
 
-Reported: per page step of the final batch, host ms in ``schedule`` and in compress (begin of the step before +
-finish), split by cProfile into Python bookkeeping and torch tensor ops (on the CPU the tensor ops are real compute;
-on the GPU they are launches, and any host sync there waits for the device). ``--kvtide DIR`` imports kvtide from
-another tree (e.g. ``git archive`` of an older commit) so before/after runs replay the same history; the JSON holds
-a digest of the final tables and pool bytes, equal when two versions place every group the same way.
+Reported: per kind of step of the last batch's decode (page: allocates and finishes compressing pages; begin: stages
+the pages that filled; plain), host ms in ``schedule``, ``compress_begin`` / ``compress_finish`` and in the traced
+functions inside them. On the CPU the tensor ops in there are compute (pack, analyze, zeroing); on a GPU they are
+launches, and a host sync there waits for the device: read the pure-Python/numpy functions (ChunkPool.*,
+ZipPagedKV._place, BlockManager._make_room) for the host bookkeeping a GPU host runs too. Torch runs one thread
+(with a busy second core, two threads made small ops up to 40x slower). The JSON holds a digest of the final
+tables and pool bytes: equal digests = every group placed at the same byte by both versions.
 
-    python bench/zip_page_steps.py --out bench/results/zip_page_steps_cpu.json            # ~2-4 min, ~5 GiB RAM
-    python bench/zip_page_steps.py --out /tmp/small.json --layers 4 --budget-scale 0.1    # quick look
+Modes (each rebuilds the history, ~4-8 min, unless resumed from a snapshot; ~5 GiB RAM, twice that with --ab):
+    python bench/zip_page_steps.py --out /tmp/new.json --snapshot /tmp/new.pt                 # this tree
+    git archive <old commit> kvtide | tar -x -C /tmp/old                                     # an older tree
+    python bench/zip_page_steps.py --kvtide /tmp/old --out /tmp/old.json --snapshot /tmp/old.pt
+    # whole steps of both versions in one process, in turn, from their snapshots (states must stay equal):
+    python bench/zip_page_steps.py --resume /tmp/new.pt --ab /tmp/old --ab-resume /tmp/old.pt --out ab.json
+    # the host bookkeeping alone, old and new classes replayed on copies of the same state at each page step:
+    python bench/zip_page_steps.py --resume /tmp/new.pt --replay /tmp/old --no-trace --out replay.json
+    python bench/zip_page_steps.py --out /tmp/p.json --profile                                   # cProfile
+    python bench/zip_page_steps.py --out /tmp/s.json --layers 4 --context 1024 --steps 64 --batches 6,8 \
+        --budget-seqs 7 --step-tokens 2048                                                      # seconds
 """
 from __future__ import annotations
 
@@ -411,6 +424,136 @@ def ab(new: FakeEngine, old: FakeEngine, b: int, context: int) -> dict:
     return out
 
 
+def copy_pool(pool, cls: type):
+    """A copy of a ChunkPool's state as an instance of ``cls`` (this tree's class or the old tree's: the old methods
+    use a subset of the attributes). Sets are rebuilt, so their order may differ from ``pool``'s, but two copies of
+    one pool are alike: the versions replay from the same state."""
+    c = object.__new__(cls)
+    d = {k: v for k, v in pool.__dict__.items() if not isinstance(v, types.FunctionType)}  # no recording wrappers
+    for k, v in d.items():
+        if isinstance(v, np.ndarray):
+            d[k] = v.copy()
+    d["slot_free"] = [f[:] for f in pool.slot_free]
+    d["private_free"] = [f[:] for f in pool.private_free]
+    d["shared_free"] = pool.shared_free[:]
+    d["open"] = [[set(s) for s in per] for per in pool.open]
+    c.__dict__.update(d)
+    return c
+
+
+class _Shim:
+    """What ZipPagedKV._place touches (pool, counters, geometry), for replaying it on a copied pool."""
+
+    def __init__(self, pool, geo, store_cls: type) -> None:
+        self.alloc, self.geo = pool, geo
+        self.counters = {"groups_in_place": 0, "in_place_waste_bytes": 0}
+        for name in ("_alloc_into", "_in_place"):  # this tree's helpers of _place (the old _place has none)
+            if hasattr(store_cls, name):
+                setattr(self, name, types.MethodType(getattr(store_cls, name), self))
+
+
+class BookkeepingReplay:
+    """Old and new host bookkeeping of each page step on the same state, no tensors: the ChunkPool calls that
+    ``schedule`` makes (capacity checks, the evictions' frees, the new pages' slots) and compress_finish's 32 per-layer
+    ``_place`` calls are recorded with a copy of the pool before them, then replayed ``reps`` times on fresh copies by
+    the old tree's classes and this tree's, in turn; each pair of replays must give the same offsets and state."""
+
+    POOL_CALLS = ("alloc", "free", "new_pages_fit")
+
+    def __init__(self, eng: FakeEngine, reps: int) -> None:
+        import kvtide.cache.zip_pages as new_zp
+
+        old_zp = importlib.import_module(f"{OLD}.cache.zip_pages")
+        self.eng, self.reps = eng, reps
+        self.impl = {"old": (old_zp.ChunkPool, old_zp.ZipPagedKV), "new": (new_zp.ChunkPool, new_zp.ZipPagedKV)}
+        self.rows: list[dict] = []
+        self._log: list | None = None
+        pool, store = eng.store.alloc, eng.store
+        for name in self.POOL_CALLS:  # instance-level: the copies replayed are not recorded
+            setattr(pool, name, self._recording(getattr(pool, name), name))
+        store._place = self._recording(store._place, "_place")
+        for obj, name in ((eng.sched, "schedule"), (store, "compress_finish")):
+            setattr(obj, name, self._around(getattr(obj, name), name))
+
+    def _recording(self, fn, name: str):
+        def rec(*args):
+            if self._log is not None and not self._inner:
+                self._log.append((name, [a.copy() if isinstance(a, np.ndarray) else a for a in args]))
+            self._inner += 1
+            try:
+                return fn(*args)
+            finally:
+                self._inner -= 1
+
+        return rec
+
+    _inner = 0
+
+    _decode = False  # whether the current step only decodes (set when it is scheduled)
+
+    def _around(self, fn, phase: str):
+        def call(*args):
+            if phase == "schedule":
+                sched = self.eng.sched
+                self._decode = not sched.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens
+                                                         for s in sched.running)
+            snap, self._log = copy_pool(self.eng.store.alloc, type(self.eng.store.alloc)), []
+            try:
+                return fn(*args)
+            finally:
+                log, self._log = self._log, None
+                if any(name in ("alloc", "_place") for name, _ in log):
+                    self._replay(phase, snap, log)
+
+        return call
+
+    def _run(self, which: str, snap, log: list) -> tuple[float, list, object]:
+        pool_cls, store_cls = self.impl[which]
+        pool = copy_pool(snap, pool_cls)
+        shim = _Shim(pool, self.eng.store.geo, store_cls)
+        out = []
+        t = time.perf_counter()
+        for name, args in log:
+            if name == "_place":
+                layer, cls, old, new = args
+                new = old.copy()  # _place writes destinations into it; it starts as the sources
+                store_cls._place(shim, layer, cls, old, new)
+                out.append(new)
+            else:
+                out.append(getattr(pool, name)(*args))
+        dt = time.perf_counter() - t
+        return dt, out, (pool, shim.counters)
+
+    def _replay(self, phase: str, snap, log: list) -> None:
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for r in range(self.reps):
+            got = {}
+            for which in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                dt, out, state = self._run(which, snap, log)
+                times[which].append(dt)
+                got[which] = (out, state)
+            (o_out, (o_pool, o_cnt)), (n_out, (n_pool, n_cnt)) = got["old"], got["new"]
+            assert len(o_out) == len(n_out) and all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+                                                    for a, b in zip(o_out, n_out)), f"{phase}: replays differ"
+            assert o_cnt == n_cnt and o_pool.slot_free == n_pool.slot_free and o_pool.open == n_pool.open
+        self.rows.append({"phase": phase, "decode": self._decode, "calls": len(log),
+                          **{f"{w}_ms": statistics.median(v) * 1e3 for w, v in times.items()}})
+
+    def summary(self) -> dict:
+        out = {}
+        for phase in ("schedule", "compress_finish"):
+            rows = [r for r in self.rows if r["phase"] == phase and r["decode"]]  # page steps (not the warm-up)
+            if rows:
+                out[phase] = {"page_steps": len(rows), "calls_per_step": statistics.mean(r["calls"] for r in rows),
+                              **{f"{w}_ms_median": statistics.median(r[f"{w}_ms"] for r in rows) for w in ("old", "new")},
+                              **{f"{w}_ms_sum": sum(r[f"{w}_ms"] for r in rows) for w in ("old", "new")},
+                              "each": rows}
+                print(f"{phase}: host bookkeeping replayed on the same state, median over {len(rows)} page steps "
+                      f"{out[phase]['old_ms_median']:.2f} -> {out[phase]['new_ms_median']:.2f} ms, sum "
+                      f"{out[phase]['old_ms_sum']:.1f} -> {out[phase]['new_ms_sum']:.1f} ms", flush=True)
+        return out
+
+
 def run_batch(eng: FakeEngine, b: int, context: int, profile: list | None = None) -> dict:
     warm(eng, b, context)
     return decode(eng, b, context, profile)
@@ -446,6 +589,10 @@ def main() -> None:
                     help="also load OLD_TREE's kvtide (as kvtide_old) with its state --ab-resume, and decode both in "
                          "turn, step by step (needs --resume; twice the memory)")
     ap.add_argument("--ab-resume", type=Path, help="the state OLD_TREE saved with --snapshot")
+    ap.add_argument("--replay", metavar="OLD_TREE",
+                    help="at each page step, replay the host bookkeeping (pool calls of schedule, _place of "
+                         "compress_finish) with OLD_TREE's classes and this tree's on copies of the same state")
+    ap.add_argument("--replay-reps", type=int, default=5)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     kv = _import_kvtide(a.kvtide)
@@ -464,7 +611,14 @@ def main() -> None:
             save_state(eng, a.snapshot)
     if not a.no_trace:
         eng.clock.trace()
-    if a.ab:
+    if a.replay:
+        _import_tree_as(a.replay)
+        replay = BookkeepingReplay(eng, a.replay_reps)
+        run = decode(eng, batches[-1], a.context)
+        run["bookkeeping_replay"] = replay.summary()
+        run["note"] = ("the per-phase step timings of this run include copying the pool before every schedule and "
+                       "compress_finish call (the replay's recording): read bookkeeping_replay")
+    elif a.ab:
         if not (a.resume and a.ab_resume):
             sys.exit("--ab needs --resume (this tree's state) and --ab-resume (OLD_TREE's)")
         _import_tree_as(a.ab)
