@@ -129,7 +129,7 @@ def main() -> None:
     pool = ZipPagedKV(ZipGeometry(L, H, D, P), budget_bytes=(FILLED + 16) * ZipGeometry(L, H, D, P).raw_page_bytes).alloc
     groups = FILLED * H * 2
 
-    def place(bulk: bool) -> None:
+    def alloc_free(bulk: bool) -> None:
         for layer in range(L):
             offs = pool.alloc(layer, 0, groups)
             pool.free(offs) if bulk else free_one_by_one(pool, offs)
@@ -187,7 +187,7 @@ def main() -> None:
              "place_chunk_by_chunk": lambda: place(False), "place_class_first": lambda: place(True),
              "page_table_lists": lambda: plain_table(layout), "page_table_numpy": layout.page_table,
              "write_per_layer_index": lambda: write(False), "write_rows_planned": lambda: write(True),
-             "pool_free_one_by_one": lambda: place(False), "pool_free_bulk": lambda: place(True)}
+             "pool_free_one_by_one": lambda: alloc_free(False), "pool_free_bulk": lambda: alloc_free(True)}
     for fn in cases.values():  # warm-up
         fn()
     times = {name: [] for name in cases}
