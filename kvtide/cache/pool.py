@@ -86,7 +86,7 @@ class ChunkPool:
         self.shared_reuses = 0  # shared chunks taken by a layer other than the one that last held them
         self.last_owner = np.full(n, -1, dtype=np.int64)
         self._slot_bytes = [geo.slot_bytes(k) for k in range(geo.num_classes)]  # per class, looked up per slot
-        self._slot_bytes_arr = np.array(self._slot_bytes, dtype=np.int64)
+        self.slot_bytes_by_class = np.array(self._slot_bytes, dtype=np.int64)  # for numpy lookups
         # chunk ids as sort keys: numpy's stable sort of 16-bit integers is a radix sort, ~10x faster than of int64
         # (an eviction frees ~300K slots in a step at the 8B shape, whose 55,143 chunks fit 16 bits)
         self._chunk_key = np.uint16 if n <= 1 << 16 else np.int64
@@ -170,7 +170,7 @@ class ChunkPool:
         cs = chunk[starts]
         layer, k = self.owner[cs], self.klass[cs]
         assert (layer >= 0).all(), "freeing a slot of a free chunk"
-        slots = ((offs - chunk * cb) // self._slot_bytes_arr[self.klass[chunk]]).tolist()
+        slots = ((offs - chunk * cb) // self.slot_bytes_by_class[self.klass[chunk]]).tolist()
         n = ends - starts
         self.used[cs] -= n  # chunks are distinct: plain fancy indexing
         raw = k == 0

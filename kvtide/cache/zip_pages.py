@@ -338,7 +338,7 @@ class ZipPagedKV:
     def _check_starts(self, starts: np.ndarray, cls: np.ndarray) -> None:
         """What pack would check on the device (aligned, inside the pool), on the host: groups of class k end at
         start + slot_bytes(k). Cheap here; on the device it cost three host syncs per compressing step."""
-        end = starts + self.alloc._slot_bytes_arr[cls]
+        end = starts + self.alloc.slot_bytes_by_class[cls]
         if (starts % zb.ALIGN).any() or starts.min() < 0 or end.max() > self.pool.numel():
             raise AssertionError("compressed group placed outside the pool or unaligned")
 
@@ -409,7 +409,7 @@ class ZipPagedKV:
     def _in_place(self, groups: np.ndarray, cls: np.ndarray) -> None:
         """Count groups compressed where they are (their raw slot keeps its size)."""
         self.counters["groups_in_place"] += len(groups)
-        waste = self.geo.raw_group_bytes - self.alloc._slot_bytes_arr[cls[groups]]
+        waste = self.geo.raw_group_bytes - self.alloc.slot_bytes_by_class[cls[groups]]
         self.counters["in_place_waste_bytes"] += int(waste.sum())
 
     def _analyze(self, blocks: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ class ChunkReader:
         idx = torch.tensor(page_ids, dtype=torch.long, device=r.device)
         layers = range(r.model.args.num_layers)
         if self.stream is None:
-            return [_gather(r, i, idx).cpu() for i in layers], None
+            return [_gather(r, i, idx) for i in layers], None  # new tensors already
         on_device = [_gather(r, i, idx) for i in layers]
         self.stream.wait_stream(torch.cuda.current_stream(r.device))
         host = []

@@ -49,6 +49,11 @@ def _prefill_kv(eng, ids):
     return seq
 
 
+def _finish(r, seq, ids):
+    """Hand the prefilled prefix to the restorer as a finished request would (its chunks go to the store)."""
+    r.on_finish(type("S", (), {"num_computed_tokens": N, "pages": seq.pages, "token_ids": ids[:N]})())
+
+
 def _kv(eng, seq, n):
     p = eng.block_manager.page_size
     pages = torch.tensor(seq.pages[: n // p], device=eng.runner.device)
@@ -81,7 +86,7 @@ def test_cuda_load_paths_place_prefill_bytes_and_match_logits():
     L = eng.model.args.num_layers
     base = _prefill_kv(eng, ids[:N])
     want = _kv(eng, base, N)
-    r.on_finish(type("S", (), {"num_computed_tokens": N, "pages": base.pages, "token_ids": ids[:N]})())
+    _finish(r, base, ids)
     r.writer.flush()
     keys = chunk_keys(ids[:N], r.keyspace)
     ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())  # recompute-only: a plain prefill
@@ -111,7 +116,7 @@ def test_cuda_finished_chunks_are_read_before_their_pages_are_reused():
     L = eng.model.args.num_layers
     base = _prefill_kv(eng, ids[:N])
     want = _kv(eng, base, N)
-    r.on_finish(type("S", (), {"num_computed_tokens": N, "pages": base.pages, "token_ids": ids[:N]})())
+    _finish(r, base, ids)
     pages = torch.tensor(base.pages, device=eng.runner.device)
     for i in range(L):  # what the next step's writes would do to reused pages, enqueued before any host wait
         eng.runner.kv_caches[i].index_fill_(0, pages, 7.0)
@@ -136,7 +141,7 @@ def test_cuda_failed_load_falls_back():
     eng, r = llm.engine, llm.engine.restorer
     L = eng.model.args.num_layers
     base = _prefill_kv(eng, ids[:N])
-    r.on_finish(type("S", (), {"num_computed_tokens": N, "pages": base.pages, "token_ids": ids[:N]})())
+    _finish(r, base, ids)
     r.writer.flush()
     keys = chunk_keys(ids[:N], r.keyspace)
     ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())
