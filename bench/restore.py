@@ -57,6 +57,7 @@ class Bench:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.llm = LLM(a.model, device=a.device, progress=False, attention_backend=getattr(a, "attention", "auto"),
+                       cuda_graphs=bool(getattr(a, "cuda_graphs", False)),
                        cache=CacheConfig(kv_dtype="bfloat16", enable_prefix_caching=False,
                                          **({"num_pages": a.num_pages} if a.num_pages else {})),
                        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens),
@@ -67,6 +68,19 @@ class Bench:
         self.inner = self.r.store
         self.text = text_tokens(self.llm.tokenizer, self.llm.engine.model.args.vocab_size,
                                  200_000 if a.device == "cpu" else 400_000)
+
+    def capture_graphs(self, up_to: int) -> float:
+        """Capture the decode graphs of batch sizes 1..``up_to`` before anything is timed (seconds taken), so no
+        replay pays a first capture; every method then decodes through the same graphs."""
+        g = self.eng.runner.graphs
+        if g is None:
+            return 0.0
+        t0 = time.perf_counter()
+        g.max_sizes = max(g.max_sizes, up_to)
+        for n in range(1, up_to + 1):
+            g.get(n)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     # ---- plumbing -----------------------------------------------------------------------------------------
     def set_link(self, g: float | None) -> None:
@@ -405,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                          "'one compute resource, one link' of the model)")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
                     help="engine attention backend (auto: FlashInfer on CUDA when importable, else the torch reference)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode steps as CUDA graphs (EngineConfig.cuda_graphs; default on with --device cuda), "
+                         "the same for every method")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
@@ -428,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(a, k, v[idx])
     if a.deadline_s is None and gpu and not full:
         a.deadline_s = 450.0
+    if a.cuda_graphs is None:
+        a.cuda_graphs = gpu
     torch.manual_seed(0)
     if a.threads is None and not gpu:
         a.threads = 1
@@ -445,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     con.print(f"[bold]restore bench[/]: {a.model} ({'RANDOM weights' if random_w else 'real weights'}), "
               f"attention {b.eng.runner.attention.name}, {args.num_layers} layers, {args.num_kv_heads} KV heads x {args.head_dim}, KV bf16, device {a.device}, "
               f"chunk {a.chunk} tokens, {b.r.bytes_per_token:.0f} stored B/token/layer; load avg {_loadavg()}")
+    graphs_s = b.capture_graphs(max(a.requests, max(a.batches)) if a.cuda_graphs else 0)
+    if a.cuda_graphs:
+        con.print(f"decode CUDA graphs captured for batch sizes 1..{b.eng.runner.graphs.captures} ({graphs_s:.1f} s)")
     b.warm_profile([64, 128, 256, 512] if not gpu else [1024, 4096, 8192, a.max_input])
     bal = b.balance(a.lengths[0])
     con.print(f"T_recompute {bal['recompute_ms_per_token']:.3f} ms/token, unthrottled load "
@@ -485,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": torch.cuda.get_device_name() if gpu else None, "model": a.model, "random_weights": random_w,
             "shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
             "kv_dtype": "bfloat16", "compute_dtype": str(b.eng.config.torch_dtype), "chunk_tokens": a.chunk,
-            "attention_backend": b.eng.runner.attention.name,
+            "attention_backend": b.eng.runner.attention.name, "cuda_graphs": bool(a.cuda_graphs),
+            "decode_step_batch1_s": b.decode_step,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
             "store": "in-process memory tier (XXH3-128 checksummed records, verified on every load)",
