@@ -140,8 +140,8 @@ def cuda_inputs(kv: torch.Tensor, version: int) -> dict[str, tuple[torch.Tensor,
 def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, args, dev) -> dict:
     """Every CUDA_CONFIGS launch shape checked (f64 reference, all outputs written) and timed; the best kept."""
     tuned = []
-    for warps, min_blocks, waves, *rest in CUDA_CONFIGS:
-        opts = dict(warps=warps, min_blocks=min_blocks, waves=waves, stages=rest[0] if rest else 0)
+    for warps, min_blocks, waves in CUDA_CONFIGS:
+        opts = dict(warps=warps, min_blocks=min_blocks, waves=waves)
         try:
             p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
             out = torch.full_like(q, float("nan"))
@@ -155,7 +155,7 @@ def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, ar
         vs_fi = float((out.float() - o_fi.float()).norm() / o_fi.float().norm())
         us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.tune_rep) if ok and err < 1e-2 \
             else float("inf")
-        k = zc.kernels(dev.index or 0, D, args.version, warps, min_blocks, opts["stages"])["zip_decode"]
+        k = zc.kernels(dev.index or 0, D, args.version, warps, min_blocks)["zip_decode"]
         tuned.append(dict(options=opts, splits=p.num_splits, us=us, all_written=ok, rel_err_f64=err,
                           rel_diff_vs_flashinfer=vs_fi, registers=k.num_regs, local_bytes=k.local_bytes))
     good = [t for t in tuned if t.get("us", float("inf")) < float("inf")]
@@ -177,14 +177,8 @@ def config_options(cfg) -> dict:
                 trans=bool(tr), late_v=bool(lv), maxnreg=mr, pipe=bool(pipe))
 
 # CUDA kernel (kvtide/kernels/zip_attention_cuda.py): (warps per CTA, CTAs per SM for the register cut, waves;
-# None = the plan's wave model for the split count[, pages in the shared-memory ring]). Ring configs: CTAs per SM
-# as many as fit in 228 KiB of shared memory (1 KiB reserved per CTA), so the split model sees the real occupancy.
-def _ring_ctas(stages: int, warps: int = 1) -> int:
-    return min(12, 228 // (zc.ring_bytes(D, warps, stages) // 1024 + 1))  # 12: no register cut below ~170
-
-
-CUDA_CONFIGS = [(4, 3, None), (2, 6, None), (1, 12, None), (4, 2, None), (4, 3, 2.0), (4, 3, 4.0), (2, 6, 4.0)] + \
-    [(1, _ring_ctas(s), None, s) for s in (2, 3, 4)] + [(2, _ring_ctas(2, 2), None, 2), (2, _ring_ctas(3, 2), None, 3)]
+# None = the plan's wave model for the split count)
+CUDA_CONFIGS = [(4, 3, None), (2, 6, None), (1, 12, None), (4, 2, None), (4, 3, 2.0), (4, 3, 4.0), (2, 6, 4.0)]
 
 
 def bench(fn, rep: int) -> float:

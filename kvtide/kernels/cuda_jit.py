@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 _NVRTC_NAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
-FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # CUfunction_attribute: percent of L1 given to shared memory
 
 
 class CudaJitError(RuntimeError):
@@ -104,7 +103,6 @@ def driver() -> ctypes.CDLL:
     lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
-    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
 
@@ -145,11 +143,6 @@ class Kernel:
     num_regs: int
     local_bytes: int
     _module: ctypes.c_void_p = field(repr=False)
-
-    def set_attribute(self, attribute: int, value: int) -> None:
-        """cuFuncSetAttribute (e.g. the preferred shared-memory carve-out)."""
-        _ensure_context(self.device)
-        _check(driver().cuFuncSetAttribute(self.func, attribute, value), f"cuFuncSetAttribute({self.name})")
 
     def launch(self, grid: tuple[int, int, int], block: int, args: list,
                stream: torch.cuda.Stream | None = None) -> None:

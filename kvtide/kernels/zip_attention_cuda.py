@@ -10,11 +10,8 @@ high bytes + one byte permute per pair), so no decompressed value ever leaves a 
 Kernel (``cuda/zip_decode.cu``): one warp per (sequence, KV head, split), one page of 16 tokens per step:
 S^T = K Q^T on ``mma.m16n8k16`` (tokens as M, the GQA group padded to N = 8), online softmax in base 2 with a
 lazy rescale (the running max moves only when it grows by more than 2^8), P^T through ``movmatrix`` into the
-B operand, O^T += V^T P^T. ``stages=0``: the next page's loads go to registers as soon as this page's buffer is
-consumed (one page in flight per warp); ``stages=S``: cp.async copies into a ring of S pages in shared memory
-(S - 1 pages in flight per warp, occupancy then bounded by shared memory), for where the register path leaves
-the memory system idle waiting on latency. Page metadata comes 32 pages at a time (one page per lane, broadcast
-by shuffles). Splits write normalised partial
+B operand, O^T += V^T P^T. The next page's loads are issued as soon as this page's buffer is consumed; page
+metadata comes 32 pages at a time (one page per lane, broadcast by shuffles). Splits write normalised partial
 outputs and base-2 log-sum-exps; ``zip_merge`` combines them. Raw blocks (the page being written, blocks the
 format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is the
 format-free control.
@@ -41,16 +38,8 @@ MAX_GROUP = 8  # the GQA group is the MMA's N side
 MAX_POOL_BYTES = 1 << 36  # group starts travel as 32-bit counts of 16-byte units
 SPLIT_START_PAGES = 4  # a split's fixed cost (Q and metadata loads, first page's latency, merge) in pages
 
-# launch defaults per head_dim: warps per CTA, CTAs per SM the register budget is cut for, waves of warps,
-# pages in the shared-memory ring (0: registers)
-_DEFAULTS = {128: dict(warps=4, min_blocks=3, waves=None, stages=0),
-             64: dict(warps=4, min_blocks=4, waves=None, stages=0)}
-MAX_STATIC_SMEM = 48 << 10  # the ring is a static array: at most 48 KiB per CTA
-
-
-def ring_bytes(head_dim: int, warps: int, stages: int) -> int:
-    """Shared memory of one CTA's ring: per warp, ``stages`` pages of K and V at their raw size."""
-    return warps * stages * 2 * (head_dim // 32) * 1024
+# launch defaults per head_dim: warps per CTA, CTAs per SM the register budget is cut for, waves of warps
+_DEFAULTS = {128: dict(warps=4, min_blocks=3, waves=None), 64: dict(warps=4, min_blocks=4, waves=None)}
 
 
 def pick_splits(units: int, max_pages: int, resident_warps: int) -> int:
@@ -104,16 +93,11 @@ def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_
 
 
 @functools.cache
-def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int,
-            stages: int = 0) -> dict[str, cuda_jit.Kernel]:
+def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int) -> dict[str, cuda_jit.Kernel]:
     major, minor = torch.cuda.get_device_capability(device)
     cubin, _log = cuda_jit.compile_cubin(SOURCE.read_text(), "zip_decode", major * 10 + minor,
-                                         dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks,
-                                              STAGES=stages))
-    ks = cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
-    if stages:  # the ring bounds occupancy: ask for the largest shared-memory carve-out of the unified L1
-        ks["zip_decode"].set_attribute(cuda_jit.FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-    return ks
+                                         dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks))
+    return cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
 
 
 @dataclass
@@ -132,7 +116,6 @@ class CudaDecodePlan:
     pages_per_split: int
     warps: int
     min_blocks: int
-    stages: int
     sm_scale: float
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
@@ -145,7 +128,7 @@ class CudaDecodePlan:
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
          num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
          sm_scale: float | None = None, num_splits: int | None = None, warps: int | None = None,
-         min_blocks: int | None = None, waves: float | None = None, stages: int | None = None,
+         min_blocks: int | None = None, waves: float | None = None,
          device: torch.device | str | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
@@ -166,15 +149,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     warps = dflt["warps"] if warps is None else warps
     min_blocks = dflt["min_blocks"] if min_blocks is None else min_blocks
     waves = dflt["waves"] if waves is None else waves
-    stages = dflt["stages"] if stages is None else stages
     if not 1 <= warps <= 32 or min_blocks < 1 or (waves is not None and waves <= 0):
         raise ValueError(f"bad launch shape: warps {warps}, min_blocks {min_blocks}, waves {waves}")
-    if stages != 0 and not 2 <= stages <= 8:
-        raise ValueError(f"stages must be 0 (registers) or 2..8 (a shared-memory ring), got {stages}")
-    if ring_bytes(head_dim, warps, stages) > MAX_STATIC_SMEM:
-        raise ValueError(f"a ring of {stages} pages for {warps} warps at head_dim {head_dim} needs "
-                         f"{ring_bytes(head_dim, warps, stages) >> 10} KiB of shared memory per CTA, over "
-                         f"{MAX_STATIC_SMEM >> 10} KiB")
     dev = torch.device(device) if device is not None else kv_indices.device
     seqs = sequence_lengths(kv_indptr, kv_last_page_len, page_size)
     batch, max_pages = seqs.batch, seqs.max_pages
@@ -192,7 +168,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         indptr=seqs.indptr.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
         kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
-        pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks, stages=stages,
+        pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
     if num_splits > 1:
         p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
@@ -226,7 +202,7 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
         check_tables(p, pool, group_start, group_desc)
     out = torch.empty_like(q) if out is None else out
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    k = kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.stages)
+    k = kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks)
     split = p.num_splits > 1
     grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [

@@ -8,10 +8,7 @@
 //   P^T = exp2(S^T - m) -> bf16, movmatrix.trans -> B fragments
 //   O^T[D x 8 heads]     += V^T[D x 16] P^T      mma.m16n8k16, V rebuilt straight into A fragments
 // Each lane loads, per 512-value block, its own 16 values: one 16-byte low-plane load + one 8-byte code load
-// (compressed) or two 16-byte loads (raw). STAGES = 0: into registers, the next page's loads issued as soon as a
-// buffer is consumed (one page in flight per warp). STAGES = S >= 2: cp.async into a ring of S pages in shared
-// memory, S - 1 pages in flight per warp (coalesced 16-byte copies; a warp barrier after each wait), for more bytes
-// in flight where the register path is latency-bound.
+// (compressed) or two 16-byte loads (raw); the next page's loads are issued as soon as a buffer is consumed.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -27,12 +24,6 @@ typedef unsigned long long u64;
 #if HEAD_DIM != 64 && HEAD_DIM != 128
 #error "HEAD_DIM must be 64 or 128"
 #endif
-#ifndef STAGES
-#define STAGES 0
-#endif
-#if STAGES == 1 || STAGES > 8
-#error "STAGES must be 0 (registers) or 2..8 (a cp.async ring in shared memory)"
-#endif
 
 __device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -41,27 +32,6 @@ __device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
 
 __device__ __forceinline__ void ldg64(const u8* p, u32 (&w)[8], int o) {
   asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p));
-}
-
-__device__ __forceinline__ void cp16(u32 dst, const u8* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void lds128(u32 a, u32 (&w)[8], int o) {
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(w[o]), "=r"(w[o + 1]), "=r"(w[o + 2]), "=r"(w[o + 3]) : "r"(a) : "memory");
-}
-
-__device__ __forceinline__ void lds64(u32 a, u32 (&w)[8], int o) {
-  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(w[o]), "=r"(w[o + 1]) : "r"(a) : "memory");
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -152,40 +122,6 @@ __device__ __forceinline__ void load_group(const u8* __restrict__ pool, u32 star
   }
 }
 
-// Shared-memory ring: each block's bytes at the same offsets as in the pool (1024 bytes reserved per block), copied
-// by whole 16-byte pieces in address order so every copy instruction is coalesced; a lane then reads its own bytes
-// (others copied them: hence the __syncwarp after the wait). Low planes and codes read conflict-free; a raw block's
-// 32 bytes per lane cost a two-way bank conflict.
-__device__ __forceinline__ void copy_group(const u8* __restrict__ pool, u32 start16, u32 desc, u32 dst, int lane) {
-  const u8* p = pool + ((u64)start16 << 4);
-#pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    const u32 d = dst + j * 1024;
-    cp16(d + lane * 16, p + lane * 16);
-    if (((desc >> (8 * j)) & 0xFFu) == 0xFFu) {
-      cp16(d + 512 + lane * 16, p + 512 + lane * 16);
-      p += 1024;
-    } else {
-      if (lane < 16) cp16(d + 512 + lane * 16, p + 512 + lane * 16);
-      p += 768;
-    }
-  }
-}
-
-__device__ __forceinline__ void read_group(u32 src, u32 desc, u32 (&buf)[NB][8], int lane) {
-#pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    const u32 a = src + j * 1024;
-    if (((desc >> (8 * j)) & 0xFFu) == 0xFFu) {
-      lds128(a + lane * 32, buf[j], 0);
-      lds128(a + lane * 32 + 16, buf[j], 4);
-    } else {
-      lds128(a + lane * 16, buf[j], 0);
-      lds64(a + 512 + lane * 8, buf[j], 4);
-    }
-  }
-}
-
 // Storage tables of page `pid`: group starts in 16-byte units and the descriptor words of K and V.
 __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__ gstart,
                                           const u8* __restrict__ gdesc, int hkv, int h, u32 (&m)[4]) {
@@ -204,65 +140,6 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
   m[2] = ((const u16*)gdesc)[gi];
   m[3] = ((const u16*)gdesc)[gi + 1];
 #endif
-}
-
-// Online softmax in base 2 over one page's S^T (lane (g, t): tokens g and g + 8, heads 2t and 2t + 1); the running
-// max moves only when a head's max grows by more than 2^8. Returns P^T as the B fragments of O^T += V^T P^T.
-__device__ __forceinline__ void softmax_page(const float (&s)[4], int tok, int kv_len, float scale_log2,
-                                             float& m0, float& m1, float& l0, float& l1, float (&o)[KS][4],
-                                             u32& pb0, u32& pb1) {
-  float s0 = s[0] * scale_log2, s1 = s[1] * scale_log2, s2 = s[2] * scale_log2, s3 = s[3] * scale_log2;
-  if (tok >= kv_len) s0 = s1 = NEG_INF;
-  if (tok + 8 >= kv_len) s2 = s3 = NEG_INF;
-  float x0 = fmaxf(s0, s2), x1 = fmaxf(s1, s3);
-#pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    x0 = fmaxf(x0, __shfl_xor_sync(FULL, x0, off));
-    x1 = fmaxf(x1, __shfl_xor_sync(FULL, x1, off));
-  }
-  if (__any_sync(FULL, x0 > m0 + 8.f || x1 > m1 + 8.f)) {
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-    const float c0 = ex2(m0 - n0), c1 = ex2(m1 - n1);
-#pragma unroll
-    for (int i = 0; i < KS; ++i) {
-      o[i][0] *= c0;
-      o[i][1] *= c1;
-      o[i][2] *= c0;
-      o[i][3] *= c1;
-    }
-    l0 *= c0;
-    l1 *= c1;
-    m0 = n0;
-    m1 = n1;
-  }
-  const float e0 = ex2(s0 - m0), e1 = ex2(s1 - m1), e2 = ex2(s2 - m0), e3 = ex2(s3 - m1);
-  l0 += e0 + e2;
-  l1 += e1 + e3;
-  pb0 = movtrans(pack_bf16(e0, e1));
-  pb1 = movtrans(pack_bf16(e2, e3));
-}
-
-// S^T = K Q^T for one page's 16 tokens from its K blocks.
-__device__ __forceinline__ void scores(const u32 (&kb)[NB][8], u32 dk, const u32 (&bq)[KS][2], float (&s)[4]) {
-  s[0] = s[1] = s[2] = s[3] = 0.f;
-#pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    u32 a0[4], a1[4];
-    block_frags(kb[j], (dk >> (8 * j)) & 0xFFu, a0, a1);
-    mma(s, a0, bq[2 * j][0], bq[2 * j][1]);
-    mma(s, a1, bq[2 * j + 1][0], bq[2 * j + 1][1]);
-  }
-}
-
-// O^T += V^T P^T from one page's V blocks.
-__device__ __forceinline__ void accumulate(const u32 (&vb)[NB][8], u32 dv, u32 pb0, u32 pb1, float (&o)[KS][4]) {
-#pragma unroll
-  for (int j = 0; j < NB; ++j) {
-    u32 a0[4], a1[4];
-    block_frags(vb[j], (dv >> (8 * j)) & 0xFFu, a0, a1);
-    mma(o[2 * j], a0, pb0, pb1);
-    mma(o[2 * j + 1], a1, pb0, pb1);
-  }
 }
 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
@@ -300,17 +177,16 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
   load_meta(lane < n ? pidx[lane] : -1, gstart, gdesc, hkv, h, meta);
   int pid_next = 32 + lane < n ? pidx[32 + lane] : -1;
 
-  float o[KS][4];
-#pragma unroll
-  for (int i = 0; i < KS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // heads 2t and 2t + 1
-
-#if STAGES == 0
   u32 sk = __shfl_sync(FULL, meta[0], 0), sv = __shfl_sync(FULL, meta[1], 0);
   u32 dk = __shfl_sync(FULL, meta[2], 0), dv = __shfl_sync(FULL, meta[3], 0);
   u32 kb[NB][8], vb[NB][8];
   load_group(pool, sk, dk, kb, lane);
   load_group(pool, sv, dv, vb, lane);
+
+  float o[KS][4];
+#pragma unroll
+  for (int i = 0; i < KS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // heads 2t and 2t + 1
 
   for (int p = 0; p < n; ++p) {
     const int nx = p + 1;
@@ -326,72 +202,61 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       ndk = __shfl_sync(FULL, meta[2], nx & 31);
       ndv = __shfl_sync(FULL, meta[3], nx & 31);
     }
-    float s[4];
-    scores(kb, dk, bq, s);
+
+    // S^T = K Q^T for this page's 16 tokens
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      u32 a0[4], a1[4];
+      block_frags(kb[j], (dk >> (8 * j)) & 0xFFu, a0, a1);
+      mma(s, a0, bq[2 * j][0], bq[2 * j][1]);
+      mma(s, a1, bq[2 * j + 1][0], bq[2 * j + 1][1]);
+    }
     if (more) load_group(pool, nsk, ndk, kb, lane);
-    u32 pb0, pb1;
-    softmax_page(s, (p0 + p) * 16 + g, kv_len, scale_log2, m0, m1, l0, l1, o, pb0, pb1);
-    accumulate(vb, dv, pb0, pb1, o);
+
+    // online softmax in base 2; the running max moves only when a head's max grows by more than 2^8
+    const int tok = (p0 + p) * 16 + g;
+    float s0 = s[0] * scale_log2, s1 = s[1] * scale_log2, s2 = s[2] * scale_log2, s3 = s[3] * scale_log2;
+    if (tok >= kv_len) s0 = s1 = NEG_INF;
+    if (tok + 8 >= kv_len) s2 = s3 = NEG_INF;
+    float x0 = fmaxf(s0, s2), x1 = fmaxf(s1, s3);
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(FULL, x0, off));
+      x1 = fmaxf(x1, __shfl_xor_sync(FULL, x1, off));
+    }
+    if (__any_sync(FULL, x0 > m0 + 8.f || x1 > m1 + 8.f)) {
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+      const float c0 = ex2(m0 - n0), c1 = ex2(m1 - n1);
+#pragma unroll
+      for (int i = 0; i < KS; ++i) {
+        o[i][0] *= c0;
+        o[i][1] *= c1;
+        o[i][2] *= c0;
+        o[i][3] *= c1;
+      }
+      l0 *= c0;
+      l1 *= c1;
+      m0 = n0;
+      m1 = n1;
+    }
+    const float e0 = ex2(s0 - m0), e1 = ex2(s1 - m1), e2 = ex2(s2 - m0), e3 = ex2(s3 - m1);
+    l0 += e0 + e2;
+    l1 += e1 + e3;
+    const u32 pb0 = movtrans(pack_bf16(e0, e1)), pb1 = movtrans(pack_bf16(e2, e3));
+
+    // O^T += V^T P^T
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      u32 a0[4], a1[4];
+      block_frags(vb[j], (dv >> (8 * j)) & 0xFFu, a0, a1);
+      mma(o[2 * j], a0, pb0, pb1);
+      mma(o[2 * j + 1], a1, pb0, pb1);
+    }
     if (more) load_group(pool, nsv, ndv, vb, lane);
     dk = ndk;
     dv = ndv;
   }
-#else
-  // A ring of STAGES pages (K then V, NB KiB each) per warp; page q is copied while page q - STAGES + 1 is used.
-  constexpr u32 VOFF = NB * 1024, STAGE_BYTES = 2 * NB * 1024;
-  __shared__ __align__(16) u8 ring[NWARPS][STAGES][STAGE_BYTES];
-  const u32 base = (u32)__cvta_generic_to_shared(&ring[threadIdx.x >> 5][0][0]);
-#pragma unroll
-  for (int qp = 0; qp < STAGES - 1; ++qp) {  // pages 0 .. STAGES - 2: all in the first chunk of metadata
-    if (qp < n) {
-      copy_group(pool, __shfl_sync(FULL, meta[0], qp), __shfl_sync(FULL, meta[2], qp), base + qp * STAGE_BYTES,
-                 lane);
-      copy_group(pool, __shfl_sync(FULL, meta[1], qp), __shfl_sync(FULL, meta[3], qp),
-                 base + qp * STAGE_BYTES + VOFF, lane);
-    }
-    cp_commit();
-  }
-  int chunk = 0;           // the chunk of metadata in meta[] (the copier's)
-  u32 prev_k = FULL, prev_v = FULL;  // descriptor words of the chunk before it (the user's, at most one behind)
-  u32 use = base, put = base + (STAGES - 1) * STAGE_BYTES;
-  for (int p = 0; p < n; ++p) {
-    const int qp = p + STAGES - 1;
-    __syncwarp();  // every lane's reads of the slot about to be refilled are done
-    if (qp < n) {
-      if ((qp & 31) == 0) {  // next chunk of metadata
-        prev_k = meta[2];
-        prev_v = meta[3];
-        load_meta(pid_next, gstart, gdesc, hkv, h, meta);
-        pid_next = qp + 32 + lane < n ? pidx[qp + 32 + lane] : -1;
-        ++chunk;
-      }
-      const int ql = qp & 31;
-      copy_group(pool, __shfl_sync(FULL, meta[0], ql), __shfl_sync(FULL, meta[2], ql), put, lane);
-      copy_group(pool, __shfl_sync(FULL, meta[1], ql), __shfl_sync(FULL, meta[3], ql), put + VOFF, lane);
-    }
-    cp_commit();           // empty groups past the end keep the count: page p's group is STAGES - 1 back
-    cp_wait<STAGES - 1>();
-    __syncwarp();  // the page's bytes, copied by all lanes, are visible to all
-    const bool cur = (p >> 5) == chunk;
-    const u32 dk = __shfl_sync(FULL, cur ? meta[2] : prev_k, p & 31);
-    const u32 dv = __shfl_sync(FULL, cur ? meta[3] : prev_v, p & 31);
-    float s[4];
-    {
-      u32 kb[NB][8];
-      read_group(use, dk, kb, lane);
-      scores(kb, dk, bq, s);
-    }
-    u32 pb0, pb1;
-    softmax_page(s, (p0 + p) * 16 + g, kv_len, scale_log2, m0, m1, l0, l1, o, pb0, pb1);
-    {
-      u32 vb[NB][8];
-      read_group(use + VOFF, dv, vb, lane);
-      accumulate(vb, dv, pb0, pb1, o);
-    }
-    put = use;  // the ring slot just used takes the next copy
-    use = use + STAGE_BYTES == base + STAGES * STAGE_BYTES ? base : use + STAGE_BYTES;
-  }
-#endif
 
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
