@@ -12,8 +12,7 @@ S^T = K Q^T on ``mma.m16n8k16`` (tokens as M, the GQA group padded to N = 8), on
 lazy rescale (the running max moves only when it grows by more than 2^8), P^T through ``movmatrix`` into the
 B operand, O^T += V^T P^T. The next page's loads are issued as soon as this page's buffer is consumed; page
 metadata comes 32 pages at a time (one page per lane, broadcast by shuffles). Splits write normalised partial
-outputs and base-2 log-sum-exps; the split of a (sequence, KV head) that finishes last (an arrival counter per
-unit, reset by that split for the next launch) merges them in the same launch. Raw blocks (the page being written, blocks the
+outputs and base-2 log-sum-exps; ``zip_merge`` combines them. Raw blocks (the page being written, blocks the
 format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is the
 format-free control.
 
@@ -98,7 +97,7 @@ def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: in
     major, minor = torch.cuda.get_device_capability(device)
     cubin, _log = cuda_jit.compile_cubin(SOURCE.read_text(), "zip_decode", major * 10 + minor,
                                          dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks))
-    return cuda_jit.load(cubin, ["zip_decode"], device)
+    return cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
 
 
 @dataclass
@@ -120,7 +119,6 @@ class CudaDecodePlan:
     sm_scale: float
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
-    arrivals: torch.Tensor | None = field(default=None, repr=False)  # int32 [B * Hkv], zero between launches
 
     @property
     def group(self) -> int:
@@ -175,7 +173,6 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     if num_splits > 1:
         p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
         p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
-        p.arrivals = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=dev)
     return p
 
 
@@ -210,8 +207,11 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
     grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
-        group_start, group_desc, p.arrivals if split else p.kv_lens, float(p.sm_scale * LOG2E), p.pages_per_split,
-        p.num_splits, p.num_kv_heads, p.group, p.batch])
+        group_start, group_desc, float(p.sm_scale * LOG2E), p.pages_per_split, p.num_splits, p.num_kv_heads,
+        p.group, p.batch])
+    if split:
+        k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
+            p.opart, p.lse, out, p.kv_lens, p.pages_per_split * 16, p.num_splits, p.num_qo_heads])
     return out
 
 

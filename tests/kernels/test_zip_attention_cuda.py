@@ -237,7 +237,6 @@ def test_kernel_matches_float64_reference(head_dim: int, group: int, version: in
     assert not out.isnan().any()
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < 1e-2, err
-    assert p.arrivals is None or not p.arrivals.any()  # the merging split left the counters at zero
     raw = zc.run(p, q, *zc.raw_pool(groups.contiguous()))  # the format-free control: same kernel, same answer
     assert float((raw.double() - ref).norm() / ref.norm()) < 1e-2
 

@@ -3,7 +3,7 @@
 // Compiled at first use by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS; needs no header.
 //
 // One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
-// consecutive such units); with several splits, the last of a unit's splits to finish merges them:
+// consecutive such units):
 //   S^T[16 tok x 8 heads] = K[16 x D] Q^T        mma.m16n8k16, K rebuilt straight into A fragments
 //   P^T = exp2(S^T - m) -> bf16, movmatrix.trans -> B fragments
 //   O^T[D x 8 heads]     += V^T[D x 16] P^T      mma.m16n8k16, V rebuilt straight into A fragments
@@ -18,7 +18,6 @@ typedef unsigned long long u64;
 #define D HEAD_DIM
 #define NB (HEAD_DIM / 32)  // 512-value blocks per group (32 dims x 16 tokens each)
 #define KS (HEAD_DIM / 16)  // k-steps of S^T = K Q^T, and m-tiles of O^T
-#define DPL (HEAD_DIM / 32)  // output dims per lane in the merge
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -143,47 +142,11 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
 #endif
 }
 
-// out[row0 + hh] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max) over the ``splits`` splits that hold tokens, for
-// the group's heads; lane i owns dims [DPL i, DPL i + DPL). Reads bypass L1 (other SMs wrote them).
-__device__ __forceinline__ void merge_heads(const float* __restrict__ opart, const float* __restrict__ lse,
-                                            u16* __restrict__ out, long long row0, int group, int num_splits,
-                                            int splits, int lane) {
-  for (int hh = 0; hh < group; ++hh) {
-    const long long row = (row0 + hh) * num_splits;
-    float mx = NEG_INF;
-    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, __ldcg(lse + row + sp));
-    float sum = 0.f, acc[DPL];
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-      const float w = ex2(__ldcg(lse + row + sp) - mx);
-      sum += w;
-      const float* src = opart + (row + sp) * D + lane * DPL;
-#if DPL == 4
-      const float4 v = __ldcg((const float4*)src);
-      acc[0] += w * v.x;
-      acc[1] += w * v.y;
-      acc[2] += w * v.z;
-      acc[3] += w * v.w;
-#else
-      const float2 v = __ldcg((const float2*)src);
-      acc[0] += w * v.x;
-      acc[1] += w * v.y;
-#endif
-    }
-    const float inv = 1.f / sum;
-    u32* dst = (u32*)(out + (row0 + hh) * D + lane * DPL);
-#pragma unroll
-    for (int i = 0; i < DPL / 2; ++i) dst[i] = pack_bf16(acc[2 * i] * inv, acc[2 * i + 1] * inv);
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
            const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
-           int* __restrict__ arrivals, float scale_log2, int pages_per_split, int num_splits, int hkv, int group,
-           int batch) {
+           float scale_log2, int pages_per_split, int num_splits, int hkv, int group, int batch) {
   // warps of a CTA take consecutive (sequence, KV head, split) units, splits innermost: none idles
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
@@ -333,18 +296,23 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       if (hd0 < group) lse[r0] = m0 + __log2f(l0);
       if (hd1 < group) lse[r1] = m1 + __log2f(l1);
     }
-    // The split of this (sequence, KV head) that finishes last merges the group's heads: no second launch, no
-    // wait for every split of every sequence. Classic last-block pattern: results fenced, then counted.
-    __threadfence();
-    __syncwarp();
-    int seen = 0;
-    if (lane == 0) seen = atomicAdd(arrivals + (b * hkv + h), 1);
-    seen = __shfl_sync(FULL, seen, 0);
-    const int splits = (kv_len + 16 * pages_per_split - 1) / (16 * pages_per_split);  // those with tokens
-    if (seen == splits - 1) {
-      if (lane == 0) arrivals[b * hkv + h] = 0;  // ready for the next launch (the next layer)
-      __threadfence();
-      merge_heads(opart, lse, out, row0, group, num_splits, splits, lane);
-    }
   }
+}
+
+// out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge), one thread per dim.
+extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
+                                     u16* __restrict__ out, const int* __restrict__ kv_lens, int split_tokens,
+                                     int num_splits, int hq_total) {
+  const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
+  const int n = (kv_lens[b] + split_tokens - 1) / split_tokens;
+  const long long row = ((long long)b * hq_total + hq) * num_splits;
+  float mx = NEG_INF;
+  for (int s = 0; s < n; ++s) mx = fmaxf(mx, lse[row + s]);
+  float sum = 0.f, acc = 0.f;
+  for (int s = 0; s < n; ++s) {
+    const float w = ex2(lse[row + s] - mx);
+    sum += w;
+    acc += w * opart[(row + s) * D + d];
+  }
+  out[((long long)b * hq_total + hq) * D + d] = to_bf16(acc / sum);
 }
