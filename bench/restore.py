@@ -206,40 +206,56 @@ class Bench:
                "mean_reused_tokens": statistics.mean(min(q.reused_blocks * a.block_tokens, len(q.tokens))
                                                      for q in reqs),
                "mean_output_tokens": statistics.mean(q.output for q in reqs),
-               "runs": [], "skipped": []}
+               "runs": [], "load_sweep": [], "skipped": []}
         for g, label in links:
             for m in ORDER:
                 if time.perf_counter() > deadline:
                     out["skipped"].append({"gbps": g, "method": m, "why": "deadline"})
                     continue
-                self.fresh_store(snapshot)
-                self.set_link(g)
-                self.r.cfg.method = m
-                n0 = len(self.r.history)
-                st0 = dict(vars(self.r.stats))
-                b0 = self.busy()
-                t1 = time.perf_counter()
-                ttft = replay(self.eng, reqs, stretch, lambda q: greedy(q.output), on_first=bar)
-                wall = time.perf_counter() - t1
-                recs = list(self.r.history)[n0:]
-                v = sorted(ttft.values())
-                st = {k: v2 - st0.get(k, 0) for k, v2 in vars(self.r.stats).items()}
-                ratio = [x.planning_seconds / t for x in recs for t in [x.total_seconds] if t > 0]
-                out["runs"].append({
-                    "gbps": g, "link": label, "method": m, "ttft_s": v, "mean_s": statistics.mean(v),
-                    "p50_s": _pct(v, 50), "p95_s": _pct(v, 95), "p99_s": _pct(v, 99), "wall_s": wall,
-                    "restorations": len(recs), "restored_requests": sum(len(x.cached) for x in recs),
-                    "mean_batch": statistics.mean(len(x.cached) for x in recs) if recs else 0,
-                    "restore_seconds_total": sum(x.total_seconds for x in recs),
-                    "restore_seconds_mean": statistics.mean(x.total_seconds for x in recs) if recs else 0,
-                    "predicted_seconds_total": sum(x.predicted_seconds for x in recs),
-                    "planning_s_median": statistics.median(x.planning_seconds for x in recs) if recs else 0,
-                    "planning_fraction_of_restore_median": statistics.median(ratio) if ratio else 0,
-                    "recomputed_tokens": st["recomputed_tokens"], "loaded_tokens": st["loaded_tokens"],
-                    "stolen_tokens": st["stolen_tokens"], "fallbacks": st["fallbacks"],
-                    "busy_s": self.busy(b0, recs),
-                    "restorations_detail": [record_row(x) for x in recs]})
+                out["runs"].append(self.replay_method(reqs, snapshot, g, label, m, stretch, bar))
+        # Other offered loads (same requests, same store snapshot, arrivals stretched for each), first link only:
+        # how the gain grows as the recompute-only baseline nears and passes its saturation.
+        g, label = links[0]
+        for load in a.extra_loads or []:
+            st = (len(reqs) - 1) / (span * load * mu)
+            for m in a.extra_load_methods:
+                if time.perf_counter() > deadline:
+                    out["skipped"].append({"gbps": g, "method": m, "load": load, "why": "deadline"})
+                    continue
+                r = self.replay_method(reqs, snapshot, g, label, m, st, bar)
+                r.update(offered_load=load, offered_req_per_s=load * mu, stretch=st)
+                out["load_sweep"].append(r)
         return out
+
+    def replay_method(self, reqs, snapshot, g: float, label: str, m: str, stretch: float, bar) -> dict:
+        """One method's replay of the trace from the store snapshot over a ``g`` Gbps link."""
+        self.fresh_store(snapshot)
+        self.set_link(g)
+        self.r.cfg.method = m
+        n0 = len(self.r.history)
+        st0 = dict(vars(self.r.stats))
+        b0 = self.busy()
+        t1 = time.perf_counter()
+        ttft = replay(self.eng, reqs, stretch, lambda q: greedy(q.output), on_first=bar)
+        wall = time.perf_counter() - t1
+        recs = list(self.r.history)[n0:]
+        v = sorted(ttft.values())
+        st = {k: v2 - st0.get(k, 0) for k, v2 in vars(self.r.stats).items()}
+        ratio = [x.planning_seconds / t for x in recs for t in [x.total_seconds] if t > 0]
+        return {
+            "gbps": g, "link": label, "method": m, "ttft_s": v, "mean_s": statistics.mean(v),
+            "p50_s": _pct(v, 50), "p95_s": _pct(v, 95), "p99_s": _pct(v, 99), "wall_s": wall,
+            "restorations": len(recs), "restored_requests": sum(len(x.cached) for x in recs),
+            "mean_batch": statistics.mean(len(x.cached) for x in recs) if recs else 0,
+            "restore_seconds_total": sum(x.total_seconds for x in recs),
+            "restore_seconds_mean": statistics.mean(x.total_seconds for x in recs) if recs else 0,
+            "predicted_seconds_total": sum(x.predicted_seconds for x in recs),
+            "planning_s_median": statistics.median(x.planning_seconds for x in recs) if recs else 0,
+            "planning_fraction_of_restore_median": statistics.median(ratio) if ratio else 0,
+            "recomputed_tokens": st["recomputed_tokens"], "loaded_tokens": st["loaded_tokens"],
+            "stolen_tokens": st["stolen_tokens"], "fallbacks": st["fallbacks"],
+            "busy_s": self.busy(b0, recs),
+            "restorations_detail": [record_row(x) for x in recs]}
 
 
 def record_row(rec) -> dict:
@@ -351,6 +367,13 @@ def goals(rows: list[dict], summary: list[dict], trace: dict | None, layers: int
                        "gain_over_best_single": best / runs["cacheflow"]["mean_s"],
                        "gain_over_cake": (runs["cake"]["mean_s"] / runs["cacheflow"]["mean_s"]) if "cake" in runs else None}
         g["c_trace"] = c
+        sweep: dict = {}
+        for r in trace.get("load_sweep", []):
+            sweep.setdefault(f"{r['offered_load']:g}", {})[r["method"]] = r["mean_s"]
+        g["c_trace_load_sweep_mean_ttft_s"] = sweep
+        g["c_trace_load_sweep_gain_over_best_single"] = {
+            k: min(v[m] for m in ("recompute", "load") if m in v) / v["cacheflow"]
+            for k, v in sweep.items() if "cacheflow" in v and ("recompute" in v or "load" in v)}
         fr = [x["planning_s"] / x["restore_s"] for r in trace["runs"] if r["method"] == "cacheflow"
               for x in r["restorations_detail"] if x["restore_s"] > 0]
         g["d_trace_planning_fraction_of_restore_median"] = statistics.median(fr) if fr else None
@@ -403,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=None)
     ap.add_argument("--min-reuse-blocks", type=int, default=2, help="keep requests reusing >= this many blocks")
     ap.add_argument("--load", type=float, default=0.9, help="offered rate / recompute-only saturation throughput")
+    ap.add_argument("--extra-loads", type=float, nargs="*", default=None,
+                    help="also replay the trace at these offered loads (x recompute-only saturation), first link")
+    ap.add_argument("--extra-load-methods", nargs="*", default=["cacheflow", "recompute", "load", "cake"],
+                    choices=ORDER, help="methods replayed at --extra-loads")
     ap.add_argument("--trace-ratio", type=float, default=2.56,
                     help="CPU trace link = B* / this (T_load/T_recompute of Llama-8B shape on an H200 at 10 Gbps)")
     ap.add_argument("--deadline-s", type=float, default=None,
@@ -486,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         if full:
             links.append((round(bs, 5), "balance B*"))
     n_iso = 0 if a.no_isolated else len(a.lengths) * len(a.bandwidths) * len(a.batches) * len(ORDER) * a.reps
-    n_tr = 0 if a.no_trace else len(links) * len(ORDER) * a.requests
+    n_tr = 0 if a.no_trace else (len(links) * len(ORDER) + len(a.extra_loads or []) * len(a.extra_load_methods)) * a.requests
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=con, disable=a.no_progress) as prog:
         t1 = prog.add_task("isolated restorations", total=n_iso)
@@ -582,6 +609,9 @@ def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
                   f"{fmt(trace['closed_loop_busy_s'])}")
         for r in trace["runs"]:
             con.print(f"  {r['link']} {r['method']}: wall {r['wall_s']:.2f} s; step loop (s): {fmt(r['busy_s'])}")
+        for r in trace.get("load_sweep", []):
+            con.print(f"  load {r['offered_load']:g} x saturation, {r['link']} {LABELS[r['method']]}: mean TTFT "
+                      f"{r['mean_s']:.2f} s, p50 {r['p50_s']:.2f}, p95 {r['p95_s']:.2f}; wall {r['wall_s']:.1f} s")
         if trace["skipped"]:
             con.print(f"skipped (deadline): {trace['skipped']}")
     con.print({k: v for k, v in g.items() if k != "a_fraction_of_ideal_gain"})

@@ -275,11 +275,24 @@ class Restorer:
 
     # ---- finding restorable requests ------------------------------------------------------------------
     def _present(self, key: ChunkKey) -> bool:
-        if self.writer is not None and self.writer.pending(key):
-            t0 = time.perf_counter()
-            self.writer.flush()  # written in a moment: wait rather than recompute it
-            self.stats.write_wait_seconds += time.perf_counter() - t0
         return self.store.contains(key, self.num_layers - 1)  # the writer stores layers in order
+
+    def _write_needed(self, keys: list[ChunkKey]) -> None:
+        """Chunks of this prefix still queued for the store (a request that finished moments ago) are written
+        first and waited for, only those: written in a moment, rather than recomputed; the rest of the queue
+        stays behind them. Only the run of chunks a lookup can reach (present or queued) is waited for."""
+        if self.writer is None:
+            return
+        want = []
+        for k in keys:
+            if self.writer.pending(k):
+                want.append(k)
+            elif not self._present(k):
+                break
+        if want:
+            t0 = time.perf_counter()
+            self.writer.wait_for(want)
+            self.stats.write_wait_seconds += time.perf_counter() - t0
 
     def candidate(self, seq: Sequence) -> tuple[list[int], int, int, list[ChunkKey]] | None:
         """(device hits kept, start, cached, chunk keys) when the store holds at least one chunk past the device."""
@@ -296,6 +309,7 @@ class Restorer:
         keys = chunk_keys(ids[:limit], self.keyspace)
         self.stats.lookups += 1
         end = start // C
+        self._write_needed(keys[end:])
         while end < len(keys) and self._present(keys[end]):
             end += 1
         cached = end * C

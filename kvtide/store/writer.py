@@ -2,14 +2,15 @@
 
 The caller copies the KV out of its pages first (pages may be reused at once); the writer only encodes and
 stores. A tier that fails (Redis down, disk full) costs the write, counted, never the request. Until an entry
-is written a lookup simply misses it, which means recompute: correct, only slower.
+is written a lookup simply misses it, which means recompute: correct, only slower. A lookup that wants chunks
+still queued can have them written first (:meth:`StoreWriter.wait_for`) instead of waiting for the whole queue.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import queue
+from collections import deque
 import threading
 import weakref
 from dataclasses import dataclass
@@ -34,12 +35,15 @@ class StoreWriter:
 
     def __init__(self, store: Any, max_queue: int = 1024, max_bytes: int | None = None) -> None:
         self.store = store
+        self.max_queue = max_queue
         self.max_bytes = max_bytes
         self._queued_bytes = 0  # admitted and not yet written (KV bytes held for the writer)
         self.stats = WriterStats()
-        self._q: queue.Queue[tuple[ChunkKey, Sequence[int], list[torch.Tensor], Any] | None] = queue.Queue(max_queue)
+        self._items: deque[tuple[ChunkKey, list[int], list[torch.Tensor], Any] | None] = deque()
+        self._unfinished = 0  # submitted and not yet written (queued or in progress)
         self._pending: set[str] = set()
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # any change of the queue or of what is pending
         self._open = threading.Event()  # cleared while held(): writes wait
         self._open.set()
         self._thread = threading.Thread(target=self._run, name="kvtide-store-writer", daemon=True)
@@ -71,9 +75,34 @@ class StoreWriter:
     def submit(self, key: ChunkKey, tokens: Sequence[int], layers: list[torch.Tensor], ready: Any = None) -> None:
         """Queue one chunk (``layers[i]`` = [2, C, kv_heads, head_dim] of layer i). Blocks when the queue is full.
         ``ready``: an event (``.synchronize()``) after which ``layers`` hold the data (an asynchronous copy)."""
-        with self._lock:
+        with self._cv:
+            while len(self._items) >= self.max_queue:
+                self._cv.wait()
             self._pending.add(key.hex)
-        self._q.put((key, list(tokens), layers, ready))
+            self._items.append((key, list(tokens), layers, ready))
+            self._unfinished += 1
+            self._cv.notify_all()
+
+    def wait_for(self, keys: Sequence[ChunkKey]) -> None:
+        """Write these chunks first (moved to the head of the queue, in the order given) and wait until they are
+        written: a lookup needs them now, and the rest of the queue (gigabytes after a burst of finished requests)
+        can wait. Keys not pending return at once."""
+        if not self._open.is_set():
+            raise RuntimeError("StoreWriter.wait_for() inside held() would never return")
+        with self._cv:
+            want = {k.hex for k in keys} & self._pending
+            if not want:
+                return
+            rank = {k.hex: i for i, k in reversed(list(enumerate(keys)))}  # first mention wins
+            first = sorted((it for it in self._items if it is not None and it[0].hex in want),
+                           key=lambda it: rank[it[0].hex])
+            if first:
+                rest = [it for it in self._items if it is None or it[0].hex not in want]
+                self._items.clear()
+                self._items.extend(first + rest)
+                self._cv.notify_all()
+            while want & self._pending:
+                self._cv.wait()
 
     @contextlib.contextmanager
     def held(self):
@@ -88,11 +117,15 @@ class StoreWriter:
 
     def _run(self) -> None:
         while True:
-            item = self._q.get()
+            with self._cv:
+                while not self._items:
+                    self._cv.wait()
+                item = self._items.popleft()
+                self._cv.notify_all()  # room for a blocked submit
+            if item is None:
+                return
+            key, tokens, layers, ready = item
             try:
-                if item is None:
-                    return
-                key, tokens, layers, ready = item
                 if ready is not None:
                     ready.synchronize()
                 # Layer order matters: a reader that sees the last layer knows the whole chunk is there.
@@ -104,22 +137,27 @@ class StoreWriter:
                     except (StoreError, OSError, ValueError):
                         self.stats.failures += 1
                         break
-                with self._lock:
+            finally:
+                with self._cv:
                     self._pending.discard(key.hex)
                     self._queued_bytes = max(0, self._queued_bytes - sum(x.numel() * x.element_size() for x in layers))
-            finally:
-                self._q.task_done()
+                    self._unfinished -= 1
+                    self._cv.notify_all()
 
     def flush(self) -> None:
         """Wait until everything queued so far is written (or failed)."""
         if not self._open.is_set():
             raise RuntimeError("StoreWriter.flush() inside held() would never return")
-        self._q.join()
+        with self._cv:
+            while self._unfinished:
+                self._cv.wait()
 
     def close(self) -> None:
         if not self._thread.is_alive():
             return
         self._open.set()
         self.flush()
-        self._q.put(None)
+        with self._cv:
+            self._items.append(None)
+            self._cv.notify_all()
         self._thread.join(timeout=5)

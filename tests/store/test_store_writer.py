@@ -106,3 +106,44 @@ def test_admit_bounds_queued_bytes_and_an_empty_queue_takes_anything():
     w.flush()
     assert w.queued_bytes == 0 and w.admit(50) and w.admit(50) and not w.admit(1)
     w.close()
+
+
+class _SlowStore(MemoryStore):
+    """Records the order chunks are written in; each entry takes a while (the first one until released)."""
+
+    def __init__(self):
+        super().__init__(1 << 22)
+        self.order: list[str] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def put(self, key, layer, tokens, kv):
+        self.started.set()
+        self.release.wait(5)
+        time.sleep(0.01)
+        if layer == 0:
+            self.order.append(key.hex)
+        return super().put(key, layer, tokens, kv)
+
+
+def test_wait_for_writes_the_needed_chunks_first_and_only_waits_for_them():
+    store = _SlowStore()
+    w = StoreWriter(store)
+    chunks = [_chunk(10 * i) for i in range(6)]
+    for key, toks, kv in chunks:
+        w.submit(key, toks, kv)
+    need = [chunks[4][0], chunks[2][0]]
+    assert store.started.wait(5)  # the writer is inside chunk 0 (until released)
+    threading.Timer(0.1, store.release.set).start()
+    w.wait_for(need)
+    assert not w.pending(need[0]) and not w.pending(need[1])
+    assert store.contains(need[0], 2) and store.contains(need[1], 2)
+    # chunk 0 was in progress; the needed ones came next, in the order asked, before chunks 1, 3 and 5
+    assert store.order[:3] == [chunks[0][0].hex, need[0].hex, need[1].hex]
+    assert any(w.pending(chunks[i][0]) for i in (1, 3, 5))  # the rest of the queue was not waited for
+    w.wait_for([chunks[4][0]])  # written already: returns at once
+    w.flush()
+    assert store.order[3:] == [chunks[i][0].hex for i in (1, 3, 5)]
+    with w.held(), pytest.raises(RuntimeError, match="held"):
+        w.wait_for([chunks[1][0]])
+    w.close()
