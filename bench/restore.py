@@ -42,6 +42,7 @@ from kvtide.config import RestoreConfig  # noqa: E402
 from kvtide.engine.llm import LLM  # noqa: E402
 from kvtide.restore.methods import LABELS  # noqa: E402
 from kvtide.store.bandwidth import BandwidthLimitedStore  # noqa: E402
+from kvtide.store.keys import chunk_keys  # noqa: E402
 from kvtide.store.memory import MemoryStore  # noqa: E402
 from restore_trace import (block_content, build_workload, load_trace, prefixes_to_preload, replay,  # noqa: E402
                            text_tokens)
@@ -95,11 +96,18 @@ class Bench:
         self.inner = snapshot.copy() if snapshot is not None else MemoryStore(self.a.store_gb << 30)
         self.r.use_store(self.inner)
 
-    def populate(self, prompts: list[list[int]]) -> None:
-        """Prefill each prompt once (untimed): its full chunks go to the store at finish."""
+    def populate(self, prompts: list[list[int]]) -> int:
+        """Prefill each prompt once (untimed): its full chunks go to the store at finish. Each prompt's writes are
+        waited for before the next: the writer's host-memory bound (RestoreConfig.write_queue_bytes, 8 GiB) would
+        otherwise drop chunks of a burst of long prefixes (1 GiB per 8K tokens at the 8B shape). Returns the
+        prompts' full chunks that are still missing from the store (0 unless the tier refused writes)."""
+        missing = 0
         for p in prompts:
             self.llm.generate(p, greedy(1))
-        self.r.writer.flush()
+            self.r.writer.flush()
+            keys = chunk_keys(p[: (len(p) - 1) // self.a.chunk * self.a.chunk], self.r.keyspace)
+            missing += sum(not self.inner.contains(k, self.r.num_layers - 1) for k in keys)
+        return missing
 
     def restore(self, prompts: list[list[int]], method: str):
         """Restore a batch of prompts together; returns (TTFTs, the executor's record)."""
@@ -184,7 +192,8 @@ class Bench:
                               a.min_reuse_blocks, content)
         self.fresh_store()
         self.set_link(None)
-        self.populate(prefixes_to_preload(reqs, a.block_tokens))
+        pre = prefixes_to_preload(reqs, a.block_tokens)
+        missing = self.populate(pre)
         snapshot = self.inner.copy()
         span = max(reqs[-1].arrival - reqs[0].arrival, 1e-3)
         # Saturation of recompute-only: all requests at once, completions per second (first link: it is idle).
@@ -199,6 +208,7 @@ class Bench:
         mu = len(reqs) / makespan
         stretch = (len(reqs) - 1) / (span * a.load * mu)
         out = {"requests": len(reqs), "stretch": stretch, "offered_load": a.load,
+               "preloaded_prefixes": len(pre), "preloaded_chunks_missing": missing,
                "recompute_saturation_req_per_s": mu, "closed_loop_makespan_s": makespan,
                "closed_loop_busy_s": closed_busy,
                "offered_req_per_s": a.load * mu,
@@ -254,6 +264,9 @@ class Bench:
             "planning_fraction_of_restore_median": statistics.median(ratio) if ratio else 0,
             "recomputed_tokens": st["recomputed_tokens"], "loaded_tokens": st["loaded_tokens"],
             "stolen_tokens": st["stolen_tokens"], "fallbacks": st["fallbacks"],
+            "writes_dropped": st["writes_dropped"], "store_evictions": self.inner.stats.evictions,
+            "restored_cached_tokens": sum(sum(x.cached) for x in recs),
+            "restored_suffix_tokens": sum(sum(x.suffix) for x in recs),
             "busy_s": self.busy(b0, recs),
             "restorations_detail": [record_row(x) for x in recs]}
 
@@ -607,8 +620,13 @@ def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
         fmt = lambda b: ", ".join(f"{k[:-2]} {v:.2f}" for k, v in b.items())  # noqa: E731
         con.print(f"closed-loop recompute-only run: makespan {trace['closed_loop_makespan_s']:.2f} s; step loop (s): "
                   f"{fmt(trace['closed_loop_busy_s'])}")
+        con.print(f"pre-loaded {trace['preloaded_prefixes']} prefixes, {trace['preloaded_chunks_missing']} chunks "
+                  "missing from the store after it")
         for r in trace["runs"]:
-            con.print(f"  {r['link']} {r['method']}: wall {r['wall_s']:.2f} s; step loop (s): {fmt(r['busy_s'])}")
+            con.print(f"  {r['link']} {r['method']}: wall {r['wall_s']:.2f} s; restored {r['restored_cached_tokens']} "
+                      f"cached + {r['restored_suffix_tokens']} new tokens, {r['writes_dropped']} chunk writes dropped, "
+                      f"{r['store_evictions']} store evictions; "
+                      f"step loop (s): {fmt(r['busy_s'])}")
         for r in trace.get("load_sweep", []):
             con.print(f"  load {r['offered_load']:g} x saturation, {r['link']} {LABELS[r['method']]}: mean TTFT "
                       f"{r['mean_s']:.2f} s, p50 {r['p50_s']:.2f}, p95 {r['p95_s']:.2f}; wall {r['wall_s']:.1f} s")
