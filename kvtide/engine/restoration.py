@@ -378,15 +378,17 @@ class Restorer:
 
     def _restore(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]]) -> list["RequestOutput"]:
         eng = self.engine
-        plan = self.plan_for(picked)
-        jobs = [RestoreJob(seq.token_ids, start, cached, seq.num_tokens, keys, [start + j for j in js])
-                for (seq, start, cached, keys), js in zip(picked, plan.boundaries)]
-        seqs = [p[0] for p in picked]
-        port = EnginePort(eng.runner, seqs)
-        # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
-        # that mixes the two; recompute-only keeps its link idle by definition, load-only has nothing to take.
-        steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
+        # The writer holds from the plan on: planning is on the request's critical path like the executor's threads,
+        # and an entry being encoded holds the GIL for part of its copies and hash.
         with self.writer.held() if self.writer is not None else contextlib.nullcontext():
+            plan = self.plan_for(picked)
+            jobs = [RestoreJob(seq.token_ids, start, cached, seq.num_tokens, keys, [start + j for j in js])
+                    for (seq, start, cached, keys), js in zip(picked, plan.boundaries)]
+            seqs = [p[0] for p in picked]
+            port = EnginePort(eng.runner, seqs)
+            # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
+            # that mixes the two; recompute-only keeps its link idle by definition, load-only has nothing to take.
+            steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
             res = RestoreExecutor(port, self.store, self.chunk, LoadConfig(steal=steal)).run(jobs, profile=self.profile)
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
