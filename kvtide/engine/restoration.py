@@ -281,7 +281,7 @@ class Restorer:
         """Chunks of this prefix still queued for the store (a request that finished moments ago) are written
         first and waited for, only those: written in a moment, rather than recomputed; the rest of the queue
         stays behind them. Only the run of chunks a lookup can reach (present or queued) is waited for."""
-        if self.writer is None:
+        if self.writer is None or not self.writer.has_pending():
             return
         want = []
         for k in keys:

@@ -18,7 +18,6 @@ from typing import Any, Sequence
 
 import torch
 
-from kvtide.store.base import StoreError
 from kvtide.store.keys import ChunkKey
 
 
@@ -55,6 +54,11 @@ class StoreWriter:
     def pending(self, key: ChunkKey) -> bool:
         with self._lock:
             return key.hex in self._pending
+
+    def has_pending(self) -> bool:
+        """Whether anything is queued or being written (a lookup's fast path: nothing to wait for)."""
+        with self._lock:
+            return bool(self._pending)
 
     def admit(self, nbytes: int) -> bool:
         """Reserve room for ``nbytes`` of chunks about to be submitted (each submitted chunk's KV bytes are
@@ -131,12 +135,10 @@ class StoreWriter:
                 # Layer order matters: a reader that sees the last layer knows the whole chunk is there.
                 for i, kv in enumerate(layers):
                     self._open.wait()
-                    try:
-                        self.stats.bytes += self.store.put(key, i, tokens, kv)
-                        self.stats.entries += 1
-                    except (StoreError, OSError, ValueError):
-                        self.stats.failures += 1
-                        break
+                    self.stats.bytes += self.store.put(key, i, tokens, kv)
+                    self.stats.entries += 1
+            except Exception:  # noqa: BLE001 - a failed write (tier down, bad copy) costs the entry, never the thread
+                self.stats.failures += 1
             finally:
                 with self._cv:
                     self._pending.discard(key.hex)

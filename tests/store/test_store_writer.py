@@ -147,3 +147,23 @@ def test_wait_for_writes_the_needed_chunks_first_and_only_waits_for_them():
     with w.held(), pytest.raises(RuntimeError, match="held"):
         w.wait_for([chunks[1][0]])
     w.close()
+
+
+class _LostCopy:
+    """Stands in for a copy whose completion wait fails (a CUDA error surfacing in the writer thread)."""
+
+    def synchronize(self):
+        raise RuntimeError("device lost")
+
+
+def test_an_unexpected_error_costs_the_entry_not_the_writer_thread():
+    store = MemoryStore(1 << 20)
+    w = StoreWriter(store)
+    bad_key, bad_toks, bad_kv = _chunk(50)
+    w.submit(bad_key, bad_toks, bad_kv, ready=_LostCopy())
+    key, toks, kv = _chunk(60)
+    w.submit(key, toks, kv)
+    w.flush()  # returns: the thread survived the first entry
+    assert w.stats.failures == 1 and not store.contains(bad_key, 0) and store.contains(key, 2)
+    assert not w.has_pending()
+    w.close()
