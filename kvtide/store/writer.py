@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-from collections import deque
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
