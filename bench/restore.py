@@ -12,8 +12,9 @@ batches 1/4/8, trace replay included, inside ``--deadline-s`` (default 450 s on 
 skipped and listed). The link is a token bucket on the store's load path (kvtide.store.bandwidth).
 
 Trace load: a closed-loop run of the same requests under recompute-only (all arriving at once) measures its
-saturation throughput mu; the trace's arrival pattern is then stretched so the offered rate is ``--load`` x mu.
-Every method replays the same arrivals from the same store snapshot.
+saturation throughput mu; the trace's arrival pattern is then stretched so the offered rate is ``--load`` x mu
+(``--extra-loads``: more rates, first link). Every method replays the same arrivals from the same store snapshot,
+and on CUDA decodes through the same CUDA graphs (``--no-cuda-graphs`` for eager decode steps).
 
     python bench/restore.py                 # --quick, ~12 min on a quiet 2-core CPU
     python bench/restore.py --full          # more lengths, bandwidths, requests
