@@ -129,8 +129,17 @@ class Bench:
             for _ in range(3):
                 self.llm.generate(self.text[o:o + n], greedy(1))
                 o += n + 1000
+        # Seconds per decode step at batch 1 (the last step includes the finish, whose chunks go to the writer),
+        # first with the writer still encoding the prefills' chunks, then with it idle: on the H200 the first read
+        # 4.6-5.8 s a step (unexplained; the trace's own decode steps averaged a few ms).
+        self.writer_backlog_bytes = self.r.writer.queued_bytes
         out = self.llm.generate(self.text[o:o + lengths[0]], greedy(5))[0]
-        self.decode_step = (out.latency - out.ttft) / 4  # seconds per decode step at batch 1
+        self.decode_step_writer_busy = (out.latency - out.ttft) / 4
+        self.r.writer.flush()
+        o += lengths[0] + 1000
+        out = self.llm.generate(self.text[o:o + lengths[0]], greedy(5))[0]
+        self.decode_step = (out.latency - out.ttft) / 4
+        self.r.writer.flush()
 
     # ---- 1. isolated restorations ---------------------------------------------------------------------------
     def balance(self, n: int) -> dict:
@@ -512,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cuda_graphs:
         con.print(f"decode CUDA graphs captured for batch sizes 1..{b.eng.runner.graphs.captures} ({graphs_s:.1f} s)")
     b.warm_profile([64, 128, 256, 512] if not gpu else [1024, 4096, 8192, a.max_input])
+    con.print(f"decode step at batch 1: {b.decode_step * 1e3:.1f} ms with the store writer idle, "
+              f"{b.decode_step_writer_busy * 1e3:.1f} ms with {b.writer_backlog_bytes / 2**30:.2f} GiB queued for it")
     bal = b.balance(a.lengths[0])
     con.print(f"T_recompute {bal['recompute_ms_per_token']:.3f} ms/token, unthrottled load "
               f"{bal['load_ms_per_token_unthrottled']:.3f} ms/token ({bal['load_path_gbps']:.1f} Gbps through the "
@@ -552,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             "shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
             "kv_dtype": "bfloat16", "compute_dtype": str(b.eng.config.torch_dtype), "chunk_tokens": a.chunk,
             "attention_backend": b.eng.runner.attention.name, "cuda_graphs": bool(a.cuda_graphs),
-            "decode_step_batch1_s": b.decode_step,
+            "decode_step_batch1_s": b.decode_step, "decode_step_batch1_writer_busy_s": b.decode_step_writer_busy,
+            "writer_backlog_bytes_at_that_step": b.writer_backlog_bytes,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
             "store": "in-process memory tier (XXH3-128 checksummed records, verified on every load)",
