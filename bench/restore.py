@@ -106,7 +106,7 @@ class Bench:
         for p in prompts:
             self.llm.generate(p, greedy(1))
             self.r.writer.flush()
-            keys = chunk_keys(p[: (len(p) - 1) // self.a.chunk * self.a.chunk], self.r.keyspace)
+            keys = chunk_keys(p[: (len(p) - 1) // self.r.chunk * self.r.chunk], self.r.keyspace)
             missing += sum(not self.inner.contains(k, self.r.num_layers - 1) for k in keys)
         return missing
 
@@ -529,8 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     con.print(f"[bold]restore bench[/]: {a.model} ({'RANDOM weights' if random_w else 'real weights'}), "
               f"attention {b.eng.runner.attention.name}, {args.num_layers} layers, {args.num_kv_heads} KV heads x {args.head_dim}, KV bf16, device {a.device}, "
               f"chunk {a.chunk} tokens, {b.r.bytes_per_token:.0f} stored B/token/layer; load avg {_loadavg()}")
-    graphs_s = b.capture_graphs(max(a.requests, max(a.batches)) if a.cuda_graphs else 0)
     if a.cuda_graphs:
+        graphs_s = b.capture_graphs(max(a.requests, max(a.batches)))
         con.print(f"decode CUDA graphs captured for batch sizes 1..{b.eng.runner.graphs.captures} ({graphs_s:.1f} s)")
     b.warm_profile([64, 128, 256, 512] if not gpu else [1024, 4096, 8192, a.max_input])
     con.print(f"decode step at batch 1: {b.decode_step * 1e3:.1f} ms with the store writer idle, "

@@ -89,11 +89,16 @@ def _rows(offsets: torch.Tensor, nbytes: int) -> torch.Tensor:
     return (offsets // ALIGN)[:, None] + ar
 
 
-def _check_buffer(buf: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor) -> None:
+def _check_buffer_layout(buf: torch.Tensor) -> None:
+    """The buffer itself (no offsets): host-side only, no device sync."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise TypeError("data buffer must be a contiguous 1-D uint8 tensor")
     if buf.numel() % ALIGN:
         raise ValueError(f"data buffer length must be a multiple of {ALIGN} bytes, got {buf.numel()}")
+
+
+def _check_buffer(buf: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor) -> None:
+    _check_buffer_layout(buf)
     if offsets.numel() == 0:
         return
     if bool((offsets % ALIGN != 0).any()):

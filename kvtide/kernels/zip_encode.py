@@ -121,8 +121,8 @@ def pack(x: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, out: torch.
         raise ValueError("need one descriptor and one offset per block")
     if check:
         zb._check_buffer(out, offsets, zb.block_sizes(desc, block_size))
-    elif out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() % zb.ALIGN:
-        raise TypeError(f"data buffer must be a contiguous 1-D uint8 tensor, a multiple of {zb.ALIGN} bytes long")
+    else:
+        zb._check_buffer_layout(out)
     if desc.numel():
         k = _get_kernels(x.device)
         k.pack[(desc.numel(),)](
