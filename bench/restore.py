@@ -11,8 +11,8 @@ GPU: ``--device cuda --model random:llama3-8b`` (Llama-3.1-8B shape, RANDOM weig
 batches 1/4/8, trace replay included, inside ``--deadline-s`` (default 450 s on CUDA: runs left when it passes are
 skipped and listed). The link is a token bucket on the store's load path (kvtide.store.bandwidth).
 
-Trace load: a closed-loop run of the same requests under recompute-only (all arriving at once) measures its
-saturation throughput mu; the trace's arrival pattern is then stretched so the offered rate is ``--load`` x mu
+Trace load: a closed-loop run of the same requests under recompute-only (all arriving at once; the second of two,
+the first pays one-off costs) measures its saturation throughput mu; the trace's arrival pattern is then stretched so the offered rate is ``--load`` x mu
 (``--extra-loads``: more rates, first link). Every method replays the same arrivals from the same store snapshot,
 and on CUDA decodes through the same CUDA graphs (``--no-cuda-graphs`` for eager decode steps).
 
@@ -216,20 +216,27 @@ class Bench:
         snapshot = self.inner.copy()
         span = max(reqs[-1].arrival - reqs[0].arrival, 1e-3)
         # Saturation of recompute-only: all requests at once, completions per second (first link: it is idle).
-        self.fresh_store(snapshot)
+        # Run twice and take the second: the first pays one-off costs no later run pays (on the H200 its step
+        # loop spent 3.5 s growing the pinned host buffers the finished requests' chunks are copied into, against
+        # 0.1-0.7 s in every replay after it), and a makespan with them understates mu, so "0.9 x saturation"
+        # would be well below it.
         self.set_link(links[0][0])
         self.r.cfg.method = "recompute"
-        n0, b0 = len(self.r.history), self.busy()
-        t0 = time.perf_counter()
-        replay(self.eng, reqs, 0.0, lambda q: greedy(q.output))
-        makespan = time.perf_counter() - t0
-        closed_busy = self.busy(b0, list(self.r.history)[n0:])
+        makespans, closed_busy = [], {}
+        for _ in range(2):
+            self.fresh_store(snapshot)
+            n0, b0 = len(self.r.history), self.busy()
+            t0 = time.perf_counter()
+            replay(self.eng, reqs, 0.0, lambda q: greedy(q.output))
+            makespans.append(time.perf_counter() - t0)
+            closed_busy = self.busy(b0, list(self.r.history)[n0:])
+        makespan = makespans[-1]
         mu = len(reqs) / makespan
         stretch = (len(reqs) - 1) / (span * a.load * mu)
         out = {"requests": len(reqs), "stretch": stretch, "offered_load": a.load,
                "preloaded_prefixes": len(pre), "preloaded_chunks_missing": missing,
                "recompute_saturation_req_per_s": mu, "closed_loop_makespan_s": makespan,
-               "closed_loop_busy_s": closed_busy,
+               "closed_loop_makespans_s": makespans, "closed_loop_busy_s": closed_busy,
                "offered_req_per_s": a.load * mu,
                "mean_input_tokens": statistics.mean(len(q.tokens) for q in reqs),
                "mean_reused_tokens": statistics.mean(min(q.reused_blocks * a.block_tokens, len(q.tokens))
@@ -646,7 +653,8 @@ def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
                       f"{r['restore_seconds_mean']:.2f}", str(r["stolen_tokens"]))
         con.print(t)
         fmt = lambda b: ", ".join(f"{k[:-2]} {v:.2f}" for k, v in b.items())  # noqa: E731
-        con.print(f"closed-loop recompute-only run: makespan {trace['closed_loop_makespan_s']:.2f} s; step loop (s): "
+        con.print(f"closed-loop recompute-only run: makespan {trace['closed_loop_makespan_s']:.2f} s (first of the two "
+                  f"runs: {trace['closed_loop_makespans_s'][0]:.2f} s); step loop (s): "
                   f"{fmt(trace['closed_loop_busy_s'])}")
         con.print(f"pre-loaded {trace['preloaded_prefixes']} prefixes, {trace['preloaded_chunks_missing']} chunks "
                   "missing from the store after it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,7 +42,7 @@ def test_special_bf16_values_survive() -> None:
 
 
 def blob() -> bytes:
-    return encode_record(KEY, 2, TOKENS, torch.randn(2, 16, 1, 8).bfloat16())
+    return bytes(encode_record(KEY, 2, TOKENS, torch.randn(2, 16, 1, 8).bfloat16()))
 
 
 def test_flipped_payload_bit_is_corrupt() -> None:
@@ -152,9 +153,18 @@ def test_zero_copy_decode_is_a_view_of_the_record() -> None:
     view = decode_record(rec, KEY, 1, TOKENS, copy=False)
     assert torch.equal(view.view(torch.int16), kv.view(torch.int16))
     start = view.untyped_storage().data_ptr()
-    import ctypes
-
-    base = ctypes.cast(ctypes.c_char_p(rec), ctypes.c_void_p).value
+    base = np.frombuffer(rec, np.uint8).ctypes.data
     assert base <= start < base + len(rec)  # no copy was made
     owned = decode_record(rec, KEY, 1, TOKENS)
     assert owned.untyped_storage().data_ptr() != start
+
+
+def test_record_is_read_only_and_encodes_a_strided_slice() -> None:
+    """The writer passes slices of a larger per-layer read; the stored record must not be writable after."""
+    big = torch.randn(2, 48, 1, 8).bfloat16()
+    kv = big[:, 16:32]
+    rec = encode_record(KEY, 2, TOKENS, kv)
+    assert rec.readonly
+    with pytest.raises(TypeError):
+        rec[0] = 1
+    assert torch.equal(decode_record(rec, KEY, 2, TOKENS).view(torch.int16), kv.contiguous().view(torch.int16))
