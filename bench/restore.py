@@ -243,12 +243,13 @@ class Bench:
                                                      for q in reqs),
                "mean_output_tokens": statistics.mean(q.output for q in reqs),
                "runs": [], "load_sweep": [], "skipped": []}
-        for g, label in links:
-            for m in a.trace_methods:
-                if time.perf_counter() > deadline:
-                    out["skipped"].append({"gbps": g, "method": m, "why": "deadline"})
-                    continue
-                out["runs"].append(self.replay_method(reqs, snapshot, g, label, m, stretch, bar))
+        for rep in range(a.trace_reps):  # reps outermost: drift of the machine spreads over every method alike
+            for g, label in links:
+                for m in a.trace_methods:
+                    if time.perf_counter() > deadline:
+                        out["skipped"].append({"gbps": g, "method": m, "rep": rep, "why": "deadline"})
+                        continue
+                    out["runs"].append({**self.replay_method(reqs, snapshot, g, label, m, stretch, bar), "rep": rep})
         # Other offered loads (same requests, same store snapshot, arrivals stretched for each), first link only:
         # how the gain grows as the recompute-only baseline nears and passes its saturation.
         g, label = links[0]
@@ -394,22 +395,30 @@ def service_bound(trace: dict, bytes_per_token_layer: float, layers: int) -> dic
     are not comparable: each lists its restored cached tokens."""
     out = {}
     for link in sorted({r["link"] for r in trace["runs"]}):
-        runs = {r["method"]: r for r in trace["runs"] if r["link"] == link}
-        rec = runs.get("recompute")
-        if rec is None or not rec["restorations_detail"]:
+        by = _by_method(trace["runs"], link)
+        recs = [r for r in by.get("recompute", []) if r["restorations_detail"]]
+        if not recs:
             continue
-        P = sum(x["recompute_s"] for x in rec["restorations_detail"])
-        S = sum(x["suffix_s"] for x in rec["restorations_detail"])
-        Lt = rec["restored_cached_tokens"] * bytes_per_token_layer * layers / gbps(rec["gbps"])
+        P = statistics.median(sum(x["recompute_s"] for x in r["restorations_detail"]) for r in recs)
+        S = statistics.median(sum(x["suffix_s"] for x in r["restorations_detail"]) for r in recs)
+        Lt = recs[0]["restored_cached_tokens"] * bytes_per_token_layer * layers / gbps(recs[0]["gbps"])
         ideal = Lt * (P + S) / (P + Lt)
-        base = rec["restore_seconds_total"]
+        total = {m: statistics.median(r["restore_seconds_total"] for r in rs) for m, rs in by.items()}
+        base = total["recompute"]
         out[link] = {"recompute_only_recompute_s": P, "recompute_only_suffix_s": S, "link_s_all_cached": Lt,
-                     "ideal_s": ideal, "ideal_service_gain": base / ideal,
-                     "restore_seconds_total": {m: r["restore_seconds_total"] for m, r in runs.items()},
-                     "restored_cached_tokens": {m: r["restored_cached_tokens"] for m, r in runs.items()},
-                     "service_gain": {m: base / r["restore_seconds_total"] for m, r in runs.items()
-                                      if r["restore_seconds_total"] > 0}}
+                     "ideal_s": ideal, "ideal_service_gain": base / ideal, "restore_seconds_total": total,
+                     "restored_cached_tokens": {m: rs[0]["restored_cached_tokens"] for m, rs in by.items()},
+                     "service_gain": {m: base / t for m, t in total.items() if t > 0}}
     return out
+
+
+def _by_method(runs: list[dict], link: str) -> dict[str, list[dict]]:
+    """A link's trace runs per method (one per --trace-reps), in method order."""
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        if r["link"] == link:
+            by.setdefault(r["method"], []).append(r)
+    return by
 
 
 def goals(rows: list[dict], summary: list[dict], trace: dict | None, layers: int,
@@ -431,14 +440,21 @@ def goals(rows: list[dict], summary: list[dict], trace: dict | None, layers: int
     if trace is not None:
         c = {}
         for link in sorted({r["link"] for r in trace["runs"]}):
-            runs = {r["method"]: r for r in trace["runs"] if r["link"] == link}
-            singles = [m for m in ("recompute", "load") if m in runs]
-            if "cacheflow" not in runs or not singles:
+            by = _by_method(trace["runs"], link)
+            mean = {m: statistics.median(r["mean_s"] for r in rs) for m, rs in by.items()}  # median over reps
+            singles = [m for m in ("recompute", "load") if m in mean]
+            if "cacheflow" not in mean or not singles:
                 continue
-            best = min(runs[m]["mean_s"] for m in singles)
-            c[link] = {"mean_ttft_s": {m: r["mean_s"] for m, r in runs.items()}, "best_single_of": singles,
-                       "gain_over_best_single": best / runs["cacheflow"]["mean_s"],
-                       "gain_over_cake": (runs["cake"]["mean_s"] / runs["cacheflow"]["mean_s"]) if "cake" in runs else None}
+            best = min(mean[m] for m in singles)
+            c[link] = {"mean_ttft_s": mean, "best_single_of": singles,
+                       "gain_over_best_single": best / mean["cacheflow"],
+                       "gain_over_cake": (mean["cake"] / mean["cacheflow"]) if "cake" in mean else None}
+            if max(len(rs) for rs in by.values()) > 1:
+                c[link]["mean_ttft_s_by_rep"] = {m: [r["mean_s"] for r in rs] for m, rs in by.items()}
+                if "cake" in by:  # same rep, same machine state: the pairwise ratio
+                    cake = {r["rep"]: r["mean_s"] for r in by["cake"]}
+                    c[link]["gain_over_cake_by_rep"] = [cake[r["rep"]] / r["mean_s"] for r in by["cacheflow"]
+                                                        if r["rep"] in cake]
         g["c_trace"] = c
         if bytes_per_token_layer:
             g["c_trace_service_bound"] = service_bound(trace, bytes_per_token_layer, layers)
@@ -468,8 +484,9 @@ def plot(trace: dict, path: Path, title: str) -> None:
     for ax, g in zip(axes[0], gs):
         for r in [x for x in trace["runs"] if x["link"] == g]:
             v = r["ttft_s"]
+            tag = f" rep {r['rep']}" if r.get("rep") else ""
             ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post",
-                    label=f"{LABELS[r['method']]} (mean {r['mean_s']:.2f}s)")
+                    label=f"{LABELS[r['method']]}{tag} (mean {r['mean_s']:.2f}s)")
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("CDF")
@@ -506,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-methods", nargs="+", default=ORDER, choices=ORDER,
                     help="methods replayed at --load on every trace link (a long trace may leave out load-only, "
                          "measured on a shorter one, when it is far from the best single method)")
+    ap.add_argument("--trace-reps", type=int, default=1,
+                    help="replays of every --trace-methods run (interleaved); goals take the median per method")
     ap.add_argument("--extra-loads", type=float, nargs="*", default=None,
                     help="also replay the trace at these offered loads (x recompute-only saturation), first link")
     ap.add_argument("--extra-load-methods", nargs="*", default=["cacheflow", "recompute", "load", "cake"],
@@ -532,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
+    if a.trace_reps < 1:
+        ap.error(f"--trace-reps must be >= 1, got {a.trace_reps}")
     gpu = a.device.startswith("cuda")
     full = a.full
     d = {  # (cpu quick, cpu full, gpu quick, gpu full)
@@ -595,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         if full:
             links.append((round(bs, 5), "balance B*"))
     n_iso = 0 if a.no_isolated else len(a.lengths) * len(a.bandwidths) * len(a.batches) * len(ORDER) * a.reps
-    n_tr = 0 if a.no_trace else (len(links) * len(a.trace_methods) + len(a.extra_loads or []) * len(a.extra_load_methods)) * a.requests
+    n_tr = 0 if a.no_trace else (len(links) * len(a.trace_methods) * a.trace_reps + len(a.extra_loads or []) * len(a.extra_load_methods)) * a.requests
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=con, disable=a.no_progress) as prog:
         t1 = prog.add_task("isolated restorations", total=n_iso)
