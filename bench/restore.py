@@ -12,9 +12,12 @@ batches 1/4/8, trace replay included, inside ``--deadline-s`` (default 450 s on 
 skipped and listed). The link is a token bucket on the store's load path (kvtide.store.bandwidth).
 
 Trace load: a closed-loop run of the same requests under recompute-only (all arriving at once; the second of two,
-the first pays one-off costs) measures its saturation throughput mu; the trace's arrival pattern is then stretched so the offered rate is ``--load`` x mu
-(``--extra-loads``: more rates, first link). Every method replays the same arrivals from the same store snapshot,
-and on CUDA decodes through the same CUDA graphs (``--no-cuda-graphs`` for eager decode steps).
+the first pays one-off costs) measures its saturation throughput mu; the trace's arrival pattern is then stretched
+so the offered rate is ``--load`` x mu (``--extra-loads``: more rates, first link). Every method replays the same
+arrivals from the same store snapshot, and on CUDA decodes through the same CUDA graphs (``--no-cuda-graphs`` for
+eager decode steps); ``--trace-reps`` replays each method more than once, interleaved, and the goals take medians.
+The goals also hold the trace's service-time bound (``service_bound``): how much faster than recompute-only any
+overlap of compute and link could serve the same restorations, before queueing multiplies it.
 
     python bench/restore.py                 # --quick, ~12 min on a quiet 2-core CPU
     python bench/restore.py --full          # more lengths, bandwidths, requests
@@ -64,7 +67,8 @@ class Bench:
                                          **({"num_pages": a.num_pages} if a.num_pages else {})),
                        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens),
                        restore=RestoreConfig(store="memory", memory_bytes=a.store_gb << 30, chunk_tokens=a.chunk,
-                                             max_batch=max(8, max(a.batches))))
+                                             max_batch=max(8, max(a.batches)),
+                                             merge_load_layers=getattr(a, "merge_load_layers", 1)))
         self.eng = self.llm.engine
         self.r = self.eng.restorer
         self.inner = self.r.store
@@ -137,10 +141,17 @@ class Bench:
                 self.r.writer.flush()
         # Seconds per decode step at batch 1 (the last step includes the finish, whose chunks go to the writer),
         # first with the writer still encoding the prefills' chunks, then with it idle: on the H200 the first read
-        # 4.6-5.8 s a step (unexplained; the trace's own decode steps averaged a few ms).
+        # 4.5-6.4 s a step (unexplained; the trace's own decode steps averaged a few ms). The trail records when
+        # each token came and how far the writer had got by then, to tell a stalled step loop from a stalled writer.
         self.writer_backlog_bytes = self.r.writer.queued_bytes
-        out = self.llm.generate(self.text[o:o + lengths[0]], greedy(5))[0]
+        w0 = self.r.writer.stats.bytes
+        t0 = time.perf_counter()
+        trail = []  # per token: (seconds since the request was added, bytes the writer has written since)
+        for out in self.llm.stream(self.text[o:o + lengths[0]], greedy(5)):
+            trail.append((time.perf_counter() - t0, self.r.writer.stats.bytes - w0))
         self.decode_step_writer_busy = (out.latency - out.ttft) / 4
+        self.probe_trail = {"token_times_s": [x for x, _ in trail], "writer_bytes_written": [y for _, y in trail],
+                            "writer_backlog_after_bytes": self.r.writer.queued_bytes}
         self.r.writer.flush()
         o += lengths[0] + 1000
         out = self.llm.generate(self.text[o:o + lengths[0]], greedy(5))[0]
@@ -311,7 +322,8 @@ def record_row(rec) -> dict:
             "predicted_fixed_s": rec.predicted_fixed_seconds,
             "recompute_s": rec.recompute_seconds, "load_s": rec.load_seconds, "wait_s": rec.wait_seconds,
             "suffix_s": rec.suffix_seconds, "overhead_s": rec.overhead_seconds,
-            "link_wait_s": rec.link_wait_seconds, "load_bytes": rec.load_bytes, "stolen_tokens": rec.stolen_tokens,
+            "link_wait_s": rec.link_wait_seconds, "load_bytes": rec.load_bytes, "load_batches": rec.load_batches,
+            "stolen_tokens": rec.stolen_tokens,
             "planning_s": rec.planning_seconds, "boundaries": rec.boundaries, "cached": rec.cached,
             "suffix": rec.suffix, "bandwidth_assumed": rec.bandwidth}
 
@@ -523,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-methods", nargs="+", default=ORDER, choices=ORDER,
                     help="methods replayed at --load on every trace link (a long trace may leave out load-only, "
                          "measured on a shorter one, when it is far from the best single method)")
+    ap.add_argument("--merge-load-layers", type=int, default=1,
+                    help="most consecutive layers whose loads share a fetch (RestoreConfig.merge_load_layers; 1: one "
+                         "fetch per layer)")
     ap.add_argument("--trace-reps", type=int, default=1,
                     help="replays of every --trace-methods run (interleaved); goals take the median per method")
     ap.add_argument("--extra-loads", type=float, nargs="*", default=None,
@@ -640,10 +655,12 @@ def main(argv: list[str] | None = None) -> int:
             "attention_backend": b.eng.runner.attention.name, "cuda_graphs": bool(a.cuda_graphs),
             "decode_step_batch1_s": b.decode_step, "decode_step_batch1_writer_busy_s": b.decode_step_writer_busy,
             "writer_backlog_bytes_at_that_step": b.writer_backlog_bytes,
+            "decode_probe_writer_busy": b.probe_trail,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
             "store": "in-process memory tier (XXH3-128 checksummed records, verified on every load)",
-            "executor": "batched pipelined loads, stealing on for hybrid plans (RestoreConfig.steal)",
+            "executor": "batched pipelined loads, stealing on for hybrid plans (RestoreConfig.steal), "
+                        + f"fetches of up to {a.merge_load_layers} consecutive layers",
             "args": vars(a), "trace_links": [{"gbps": x, "label": y} for x, y in links],
             "trace_scaling": f"each 512-token Mooncake block -> {a.block_tokens} tokens (scale {a.block_tokens / 512:g}); "
                              f"inputs capped at {a.max_input}, outputs scaled the same and capped at {a.max_output}; "

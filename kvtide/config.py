@@ -109,6 +109,7 @@ class RestoreConfig:
     steal: bool = True  # an idle link takes recompute chunks of unstarted layers (hybrid plans; see executor)
     spill: bool = True  # evicted device-cache pages of chunks the store lacks are written first (prefix caching)
     hedge: float = 0.0  # >0: CacheFlow plans this much compute-heavy when stealing is on (see Restorer.plan_for)
+    merge_load_layers: int = 1  # most consecutive layers whose loads share a fetch (1: one per layer; executor)
     # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
     # RestoreStats.writes_dropped): a tier that cannot keep up costs later recomputes, not host memory
     write_queue_bytes: int = 8 << 30
@@ -131,6 +132,9 @@ class RestoreConfig:
             raise ValueError(f"RestoreConfig.hedge must be in [0, 1), got {self.hedge}")
         if self.write_queue_bytes <= 0:
             raise ValueError(f"RestoreConfig.write_queue_bytes must be positive, got {self.write_queue_bytes}")
+        if not isinstance(self.merge_load_layers, int) or isinstance(self.merge_load_layers, bool) \
+                or self.merge_load_layers < 1:
+            raise ValueError(f"RestoreConfig.merge_load_layers must be an int >= 1, got {self.merge_load_layers!r}")
 
 
 @dataclass

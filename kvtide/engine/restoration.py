@@ -108,6 +108,7 @@ class RestoreRecord:
     predicted_suffix_seconds: float = 0.0  # sum sigma + suffix call, per block
     predicted_fixed_seconds: float = 0.0
     stolen_tokens: int = 0  # (request, layer) tokens the idle link took over from recompute at run time
+    load_batches: int = 0  # store fetches (round trips) the loads took
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -389,7 +390,8 @@ class Restorer:
             # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
             # that mixes the two; recompute-only keeps its link idle by definition, load-only has nothing to take.
             steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
-            res = RestoreExecutor(port, self.store, self.chunk, LoadConfig(steal=steal)).run(jobs, profile=self.profile)
+            load = LoadConfig(steal=steal, merge_layers=self.cfg.merge_load_layers)
+            res = RestoreExecutor(port, self.store, self.chunk, load).run(jobs, profile=self.profile)
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
         if eng.runner.store is not None:  # compressed pool: compress the full pages just filled
@@ -463,7 +465,7 @@ class Restorer:
             predicted_suffix_seconds=(plan.predicted_load_seconds - plan.load_bytes / self.plan_bandwidth),
             predicted_fixed_seconds=plan.predicted_seconds - max(plan.predicted_compute_seconds,
                                                                  plan.predicted_load_seconds),
-            stolen_tokens=res.stolen_tokens))
+            stolen_tokens=res.stolen_tokens, load_batches=res.load_batches))
 
     def close(self) -> None:
         if self.writer is not None:

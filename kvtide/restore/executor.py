@@ -5,7 +5,14 @@ are loaded from a store (one entry per (chunk, layer)). Order of work, which is 
 max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1):
 
 * I/O thread: layers in order 0..L-1, for each layer every request's chunks from j_ri on, in batches (one
-  ``store.fetch`` round trip per batch of up to ``LoadConfig.batch_bytes``). The next batch is fetched before
+  ``store.fetch`` round trip per batch of up to ``LoadConfig.batch_bytes``). A batch may hold the entries of up
+  to ``LoadConfig.merge_layers`` consecutive layers (default 1: a layer's entries alone). A staircase loads a
+  little in every layer, and on the H200 each batch seemed to cost ~2.4 ms beyond its bytes, as long as a batch-1
+  layer's bytes at 40-80 Gbps; sharing batches cuts their number, but a layer is then signalled only once the
+  batch holding its last entry is placed, and the last batch's verify is not hidden behind link time. On the CPU
+  (``bench/restore_fetches.py``, ``restore_fetches_cpu.json``) 4 layers a batch moved median TTFT by -18% to +15%
+  with link and method, no clear gain: the default stays 1 until an H200 run of that bench decides.
+  The next batch is fetched before
   this one is verified and placed (``read_ahead``), so the link keeps moving bytes while the CPU checks them.
   Each entry is verified by the store (checksum, length, token ids) without a copy, checked for shape, and copied
   once into the request's pages of that layer (whole pages: loads are chunk-aligned). On CUDA the entries of a
@@ -129,19 +136,22 @@ class LoadConfig:
     host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
     the CPU verifies). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
     CPU device (its spare core already runs this thread) and min(2, cores // 2) on CUDA (see the module docstring).
-    ``steal``: see the module docstring.
+    ``steal``, ``merge_layers``: see the module docstring.
     """
 
     batch_bytes: int = 64 << 20
     read_ahead: int = 1
     workers: int | None = None
     steal: bool = False  # idle link takes recompute chunks of staircase layers not started yet
+    merge_layers: int = 1  # most consecutive layers whose entries share a fetch (1: a fetch per layer)
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_bytes, int) or self.batch_bytes < 1:
             raise ValueError(f"batch_bytes must be an int >= 1, got {self.batch_bytes!r}")
         if not isinstance(self.read_ahead, int) or self.read_ahead < 0:
             raise ValueError(f"read_ahead must be an int >= 0, got {self.read_ahead!r}")
+        if not isinstance(self.merge_layers, int) or isinstance(self.merge_layers, bool) or self.merge_layers < 1:
+            raise ValueError(f"merge_layers must be an int >= 1, got {self.merge_layers!r}")
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 0):
             raise ValueError(f"workers must be None or an int >= 0, got {self.workers!r}")
 
@@ -229,21 +239,35 @@ class RestoreExecutor:
         self.load = load or LoadConfig()
 
     # ------------------------------------------------------------------------------------- I/O side
-    def _work(self, jobs: Sequence[RestoreJob]) -> list[tuple[int, list[tuple[int, int, int, int]]]]:
-        """Per layer, in order, the batches of (request, chunk, first token, end token) to load."""
-        C = self.chunk
+    def _per_batch(self) -> int:
+        """Entries per fetch."""
         heads, dim = self.port.kv_entry_shape()
-        per_entry = 2 * C * heads * dim * 2 + 4 * C + 256  # bf16 estimate: only sizes the batches
-        per_batch = max(1, self.load.batch_bytes // per_entry)
-        out = []
+        per_entry = 2 * self.chunk * heads * dim * 2 + 4 * self.chunk + 256  # bf16 estimate: only sizes the batches
+        return max(1, self.load.batch_bytes // per_entry)
+
+    def _work(self, jobs: Sequence[RestoreJob]) -> list[list[tuple[int, list[tuple[int, int, int, int]]]]]:
+        """The fetches, in order; each is a list of (layer, items) pieces, items being (request, chunk, first
+        token, end token). Layers go in order; a fetch takes up to ``per_batch`` entries from up to
+        ``LoadConfig.merge_layers`` consecutive layers (1: each layer's entries alone)."""
+        C = self.chunk
+        per_batch = self._per_batch()
+        out: list[list[tuple[int, list[tuple[int, int, int, int]]]]] = []
+        used = per_batch  # entries in out[-1] (full: the next piece opens a fetch)
         for layer in range(self.port.num_layers):
             items = []
             for r, job in enumerate(jobs):
                 lo = job.boundaries[layer]
                 for c in range(lo // C, -(-job.cached // C)) if lo < job.cached else ():
                     items.append((r, c, max(c * C, lo), min((c + 1) * C, job.cached)))
-            for i in range(0, len(items), per_batch):
-                out.append((layer, items[i:i + per_batch]))
+            k = 0
+            while k < len(items):
+                if used >= per_batch or len(out[-1]) >= self.load.merge_layers:
+                    out.append([])
+                    used = 0
+                take = min(per_batch - used, len(items) - k)
+                out[-1].append((layer, items[k:k + take]))
+                used += take
+                k += take
         return out
 
     def _load_all(self, jobs: Sequence[RestoreJob], st: _Loads) -> None:
@@ -268,8 +292,9 @@ class RestoreExecutor:
                     (torch.cuda.stream(stream) if cuda else _nullctx()):
                 work = self._work(jobs)
                 left = [0] * port.num_layers
-                for layer, _ in work:
-                    left[layer] += 1
+                for fetch in work:
+                    for layer, _ in fetch:
+                        left[layer] += 1
                 first_busy = lambda: next((i for i in range(port.num_layers) if left[i]), port.num_layers)  # noqa: E731
                 signal(first_busy())
                 if hasattr(self.store, "fetch") and hasattr(self.store, "open"):
@@ -321,7 +346,7 @@ class RestoreExecutor:
             st.bounds[r][i] = new
             st.stolen += j - new
         f = self.store.fetch([(jobs[r].keys[new // C], i)])
-        self._place(jobs, i, [(r, new // C, new, j)], f, st, None)
+        self._place(jobs, [(i, [(r, new // C, new, j)])], f, st, None)
         if stream is not None:
             ev = torch.cuda.Event()
             ev.record(stream)
@@ -343,30 +368,34 @@ class RestoreExecutor:
         return out
 
     def _pipelined(self, jobs: Sequence[RestoreJob], work: list, st: _Loads) -> Iterator[int]:
-        """Fetch batch k+read_ahead while batch k is verified and placed; yields each placed batch's layer."""
-        inflight: deque[tuple[int, list, Any]] = deque()
+        """Fetch batch k+read_ahead while batch k is verified and placed; yields the layer of each placed piece
+        (a batch of several layers yields each, in order)."""
+        inflight: deque[tuple[list, Any]] = deque()
         workers = self.load.resolved_workers(self.port.device)
         pool = _pool(workers) if workers > 1 else None
-        for layer, items in work:
-            items = self._live(items, layer, st)
-            f = self.store.fetch([(jobs[r].keys[c], layer) for r, c, _, _ in items]) if items else None
-            inflight.append((layer, items, f))
+        for group in work:
+            segs = [(layer, self._live(items, layer, st)) for layer, items in group]
+            pairs = [(jobs[r].keys[c], layer) for layer, items in segs for r, c, _, _ in items]
+            inflight.append((segs, self.store.fetch(pairs) if pairs else None))
             while len(inflight) > self.load.read_ahead:
-                yield self._place(jobs, *inflight.popleft(), st, pool)
+                yield from self._place(jobs, *inflight.popleft(), st, pool)
         while inflight:
-            yield self._place(jobs, *inflight.popleft(), st, pool)
+            yield from self._place(jobs, *inflight.popleft(), st, pool)
 
-    def _place(self, jobs: Sequence[RestoreJob], layer: int, items: list, f: Any, st: _Loads,
-               pool: ThreadPoolExecutor | None) -> int:
+    def _place(self, jobs: Sequence[RestoreJob], segs: list[tuple[int, list]], f: Any, st: _Loads,
+               pool: ThreadPoolExecutor | None) -> list[int]:
+        """Verify and place one fetch holding the (layer, items) pieces ``segs``; returns their layers."""
+        layers = [layer for layer, _ in segs]
         if f is None:
-            return layer
+            return layers
         st.link_wait += f.wait()
         C = self.chunk
         heads, dim = self.port.kv_entry_shape()
         want = (2, C, heads, dim)
+        flat = [(layer, it) for layer, items in segs for it in items]  # f.blobs[i] is flat[i]'s entry
 
         def open_one(i: int) -> torch.Tensor | BaseException:
-            r, c, _, _ = items[i]
+            layer, (r, c, _, _) = flat[i]
             blob = f.blobs[i]
             if isinstance(blob, BaseException):
                 return blob
@@ -380,11 +409,11 @@ class RestoreExecutor:
             except Exception as e:  # noqa: BLE001 - any failure of a tier means "recompute this", never garbage
                 return e
 
-        idx = range(len(items))
+        idx = range(len(flat))
         opened = list(pool.map(open_one, idx)) if pool is not None else [open_one(i) for i in idx]
         ok = []
         for i, kv in enumerate(opened):
-            r, c, a, b = items[i]
+            layer, (r, c, a, b) = flat[i]
             if isinstance(kv, BaseException):
                 with st.lock:
                     st.failures.append(LoadFailure(r, layer, c, a, type(kv).__name__, str(kv)[:200]))
@@ -392,23 +421,23 @@ class RestoreExecutor:
             else:
                 ok.append((i, kv))
         if self.port.device.type == "cuda":
-            placed = self._place_cuda(layer, items, ok, pool)
+            placed = self._place_cuda(flat, ok, pool)
         else:
             placed = []
             for i, kv in ok:
-                r, c, a, b = items[i]
+                layer, (r, c, a, b) = flat[i]
                 self.port.write_kv(layer, r, a, kv[:, a - c * C:b - c * C])
                 placed.append(i)
         with st.lock:
             st.batches += 1
             for i in placed:
-                r, c, a, b = items[i]
+                _, (r, c, a, b) = flat[i]
                 st.bytes += len(f.blobs[i])
                 st.entries += 1
                 st.tokens += b - a
-        return layer
+        return layers
 
-    def _place_cuda(self, layer: int, items: list, ok: list[tuple[int, torch.Tensor]],
+    def _place_cuda(self, flat: list[tuple[int, tuple[int, int, int, int]]], ok: list[tuple[int, torch.Tensor]],
                     pool: ThreadPoolExecutor | None) -> list[int]:
         """Stage a batch in pinned memory (parallel copies), one async copy to the device, page writes on the
         I/O stream (the caller's current stream)."""
@@ -433,14 +462,14 @@ class RestoreExecutor:
                 stage(k)
         dev = host.to(self.port.device, non_blocking=True)
         for k, (i, kv) in enumerate(ok):
-            r, c, a, b = items[i]
+            layer, (r, c, a, b) = flat[i]
             x = dev[offs[k]:offs[k] + sizes[k]].view(kv.dtype).view(kv.shape)
             self.port.write_kv(layer, r, a, x[:, a - c * C:b - c * C])
         return [i for i, _ in ok]
 
     def _one_by_one(self, jobs: Sequence[RestoreJob], work: list, st: _Loads) -> Iterator[int]:
         """Stores with only ``get_entry`` (wrappers): each entry read, verified and placed in turn."""
-        for layer, items in work:
+        for layer, items in (piece for fetch in work for piece in fetch):
             for r, c, a, b in self._live(items, layer, st):
                 self._load_one(jobs[r], r, layer, c, a, st)
             with st.lock:

@@ -50,18 +50,27 @@ def _run(llm, store, ids, keys, js, load: LoadConfig | None = None):
     return res, got
 
 
-@pytest.mark.parametrize("load", [
-    LoadConfig(),
-    LoadConfig(batch_bytes=1, read_ahead=0),  # one entry a batch, no read-ahead
-    LoadConfig(batch_bytes=30_000, read_ahead=2, workers=2),  # several batches a layer, parallel verify
+E = 24_960  # the executor's estimate of one entry's bytes here (3 KV heads x 64, 32 tokens): sizes batches
+_layers = lambda ld: sum(1 for k in ld if k)  # noqa: E731 - layers that load anything
+
+
+@pytest.mark.parametrize("load,fetches", [
+    (LoadConfig(), _layers),  # a fetch per layer
+    (LoadConfig(merge_layers=4), lambda ld: -(-_layers(ld) // 4)),  # bytes never bind: 4 layers a fetch
+    (LoadConfig(batch_bytes=1, read_ahead=0), sum),  # one entry a fetch, no read-ahead
+    (LoadConfig(batch_bytes=30_000, read_ahead=2, workers=2), sum),  # one entry a fetch, parallel verify
+    (LoadConfig(batch_bytes=4 * E, merge_layers=4), lambda ld: -(-sum(ld) // 4)),  # layers split across fetches
+    (LoadConfig(batch_bytes=20 * E, merge_layers=2), lambda ld: -(-_layers(ld) // 2)),  # the layer cap binds
 ])
-def test_bulk_loads_place_the_prefill_bytes(stored, load: LoadConfig) -> None:
+@pytest.mark.parametrize("stair", ["load-only", "staircase"])
+def test_bulk_loads_place_the_prefill_bytes(stored, load: LoadConfig, fetches, stair: str) -> None:
     llm, store, ids, want, keys = stored
     L = llm.engine.model.args.num_layers
-    res, got = _run(llm, store, ids, keys, [0] * L, load)
-    assert res.failures == [] and res.loaded_entries == L * N // CHUNK and res.loaded_tokens == L * N
-    per_batch = max(1, load.batch_bytes // (2 * CHUNK * 3 * 64 * 2 + 4 * CHUNK + 256))
-    assert res.load_batches == L * -(-(N // CHUNK) // per_batch)
+    js = [0] * L if stair == "load-only" else [min(2, max(0, 2 - i)) * CHUNK for i in range(L)]  # 64, 32, 0, ...
+    res, got = _run(llm, store, ids, keys, js, load)
+    loaded = [N // CHUNK - j // CHUNK for j in js]  # entries per layer
+    assert res.failures == [] and res.loaded_entries == sum(loaded) and res.loaded_tokens == CHUNK * sum(loaded)
+    assert res.load_batches == fetches(loaded)
     assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
 
 
@@ -87,13 +96,18 @@ class SlowOpen:
         return getattr(self.inner, name)
 
 
-def test_link_moves_the_next_batch_while_this_one_is_verified(stored) -> None:
+@pytest.mark.parametrize("load", [
+    LoadConfig(read_ahead=1, merge_layers=1),  # a fetch per layer
+    LoadConfig(read_ahead=1, batch_bytes=6 * E, merge_layers=4),  # two layers a fetch (bytes bind)
+])
+def test_link_moves_the_next_batch_while_this_one_is_verified(stored, load: LoadConfig) -> None:
     llm, store, ids, want, keys = stored
     L = llm.engine.model.args.num_layers
     entry = len(store._read(keys[0].entry_name(0)))
-    rate = entry / 0.004  # 4 ms of link per entry, 12 ms per layer batch
-    link = SlowOpen(BandwidthLimitedStore(store, TokenBucket(rate)), 0.003)  # 9 ms of verify per batch
-    res, got = _run(llm, link, ids, keys, [0] * L, LoadConfig(read_ahead=1))
+    rate = entry / 0.004  # 4 ms of link per entry, 12 ms per layer
+    link = SlowOpen(BandwidthLimitedStore(store, TokenBucket(rate)), 0.003)  # 9 ms of verify per layer
+    res, got = _run(llm, link, ids, keys, [0] * L, load)
+    assert res.load_batches == (L if load.merge_layers == 1 else -(-L // 2))
     link_s = res.load_bytes / rate
     assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
     # serial would be link + verify = 1.75x link; overlapped is link + one batch of verify
@@ -198,6 +212,17 @@ def test_suffix_layers_are_marked_paced_only_when_their_loads_were_late(stored) 
     assert len(res.suffix_layer_paced) == L == len(res.suffix_layer_seconds) and not any(res.suffix_layer_paced)
     entry = len(store._read(keys[0].entry_name(0)))
     link = BandwidthLimitedStore(store, TokenBucket(entry / 0.004))  # 12 ms of link a layer
-    res, got = _run(llm, link, ids, keys, [0] * L, LoadConfig(read_ahead=1))
+    # a fetch per layer: merged fetches would make every layer of a fetch ready at once
+    res, got = _run(llm, link, ids, keys, [0] * L, LoadConfig(read_ahead=1, merge_layers=1))
     assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
     assert len(res.suffix_layer_paced) == L and sum(res.suffix_layer_paced) >= L // 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_merge_layers_must_be_a_positive_int(bad) -> None:
+    from kvtide.config import RestoreConfig
+
+    with pytest.raises(ValueError, match="merge_layers"):
+        LoadConfig(merge_layers=bad)
+    with pytest.raises(ValueError, match="merge_load_layers"):
+        RestoreConfig(merge_load_layers=bad)
