@@ -253,10 +253,12 @@ class Restorer:
         if len(self._known) > 100_000:
             self._known.popitem(last=False)
 
-    def bandwidth(self) -> float:
-        """Bytes/s the planner assumes: measured loads first, else the emulated link, else a guess."""
-        if self.profile.bandwidth is not None:
-            return self.profile.bandwidth
+    def bandwidth(self, method: str | None = None) -> float:
+        """Bytes/s the planner assumes: measured loads first (those that ran beside a replay, except for a
+        load-only plan, which has none beside it), else the emulated link, else a guess."""
+        measured = self.profile.bandwidth_for((method or self.cfg.method) != "load")
+        if measured is not None:
+            return measured
         if self.cfg.bandwidth_gbps is not None:
             return gbps(self.cfg.bandwidth_gbps)
         return DEFAULT_BANDWIDTH
@@ -364,7 +366,7 @@ class Restorer:
         slower, the idle link takes the surplus back at run time (ending near the unbiased optimum)."""
         method = method or self.cfg.method
         reqs = [RestoreRequest(cached - start, seq.num_tokens - cached) for seq, start, cached, _ in picked]
-        self.plan_bandwidth = bw = self.bandwidth()
+        self.plan_bandwidth = bw = self.bandwidth(method)
         longest = max(r.cached_tokens for r in reqs)
         cost = self.cost(len(reqs), longest)
         best = make_plan(method, reqs, cost, bw, self.chunk)

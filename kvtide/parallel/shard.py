@@ -149,8 +149,8 @@ class ProfileTap:
         if not self.skip:
             self.profile.observe(tokens, seconds, blocks)
 
-    def observe_load(self, nbytes: float, seconds: float) -> None:
-        self.profile.observe_load(nbytes, seconds)
+    def observe_load(self, nbytes: float, seconds: float, overlapped: bool = False) -> None:
+        self.profile.observe_load(nbytes, seconds, overlapped=overlapped)
 
 
 class ShardPort:

@@ -94,7 +94,11 @@ class ModelPort(Protocol):
         """Run ``layer`` over the segments' rows (``h`` None: embed their tokens), writing their K/V; returns h."""
 
     def write_kv(self, layer: int, request: int, start: int, kv: torch.Tensor) -> None:
-        """Place ``kv`` [2, T, kv_heads, head_dim] as layer ``layer``'s K/V of positions [start, start+T)."""
+        """Place ``kv`` [2, T, kv_heads, head_dim] as layer ``layer``'s K/V of positions [start, start+T).
+
+        A port may also offer ``write_kv_chunks(layer, request, start, chunks)``, ``chunks`` [k, 2, C, kv_heads,
+        head_dim] for k consecutive whole chunks from ``start``: the CUDA path then places each run of them in one
+        call (fewer host calls on the I/O thread, which shares the GIL with the compute thread)."""
 
     def kv_entry_shape(self) -> tuple[int, int]:
         """(kv_heads, head_dim) a loaded entry must have."""
@@ -461,10 +465,17 @@ class RestoreExecutor:
             for k in range(len(ok)):
                 stage(k)
         dev = host.to(self.port.device, non_blocking=True)
-        for k, (i, kv) in enumerate(ok):
+        chunks = getattr(self.port, "write_kv_chunks", None)
+        runs = _chunk_runs([flat[i] for i, _ in ok], [tuple(kv.shape) for _, kv in ok], offs, sizes, C) \
+            if chunks is not None else [(k, k + 1) for k in range(len(ok))]
+        for k, e in runs:
+            i, kv = ok[k]
             layer, (r, c, a, b) = flat[i]
-            x = dev[offs[k]:offs[k] + sizes[k]].view(kv.dtype).view(kv.shape)
-            self.port.write_kv(layer, r, a, x[:, a - c * C:b - c * C])
+            if e - k > 1:  # whole chunks of one request's layer, back to back in the buffer: one write
+                chunks(layer, r, a, dev[offs[k]:offs[e - 1] + sizes[e - 1]].view(kv.dtype).view(e - k, *kv.shape))
+            else:
+                x = dev[offs[k]:offs[k] + sizes[k]].view(kv.dtype).view(kv.shape)
+                self.port.write_kv(layer, r, a, x[:, a - c * C:b - c * C])
         return [i for i, _ in ok]
 
     def _one_by_one(self, jobs: Sequence[RestoreJob], work: list, st: _Loads) -> Iterator[int]:
@@ -552,7 +563,7 @@ class RestoreExecutor:
         res.total_seconds = time.perf_counter() - t0
         self._times(jobs, res, clock, stair, suffix_start, suffix_marks, profile)
         if profile is not None and res.load_bytes and res.load_seconds > 0:
-            profile.observe_load(res.load_bytes, res.load_seconds)
+            profile.observe_load(res.load_bytes, res.load_seconds, overlapped=res.recompute_seconds > 0)
         return res
 
     def _times(self, jobs: Sequence[RestoreJob], res: RestoreResult, clock: "_Clock", stair: list,
@@ -654,6 +665,28 @@ class RestoreExecutor:
         res.fallback_tokens = sum(s.length for s in segs)
         res.fallback_seconds = time.perf_counter() - t
         return {r: row for r, row in zip(bad, h.index_select(0, ends))}
+
+
+def _chunk_runs(items: list[tuple[int, tuple[int, int, int, int]]], shapes: list[tuple[int, ...]], offs: list[int],
+                sizes: list[int], chunk: int) -> list[tuple[int, int]]:
+    """Split placed entries k = 0.. (``items[k]`` = (layer, (request, chunk index, start, end))) into runs [k, e) that
+    one write can place: whole chunks of one request and layer, consecutive in token order and in the staging
+    buffer (byte offsets ``offs``, sizes ``sizes``), all of one shape."""
+    runs, k = [], 0
+    while k < len(items):
+        layer, (r, c, a, b) = items[k]
+        e = k + 1
+        if a == c * chunk and b == (c + 1) * chunk:
+            while e < len(items):
+                layer2, (r2, c2, a2, b2) = items[e]
+                n = c + e - k
+                if (layer2, r2, c2, a2, b2) != (layer, r, n, n * chunk, (n + 1) * chunk) or shapes[e] != shapes[k] \
+                        or sizes[e] != sizes[k] or offs[e] != offs[k] + (e - k) * sizes[k]:
+                    break
+                e += 1
+        runs.append((k, e))
+        k = e
+    return runs
 
 
 def _skip_after_failure(st: _Loads, r: int) -> bool:

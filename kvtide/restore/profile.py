@@ -56,6 +56,9 @@ class ProfileConfig:
     convex: bool = True
     bandwidth_alpha: float = 0.2  # EWMA weight of the newest load-bandwidth observation
     overhead_window: int = 9  # executor measurements kept for the suffix/fixed overheads and the compute scale
+    # loads that ran beside a replay get their own bandwidth estimate, which hybrid plans read (False: one estimate
+    # over every load, as before; kept for A/B runs)
+    separate_overlapped_loads: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.buckets_per_octave, int) or self.buckets_per_octave < 1:
@@ -189,7 +192,8 @@ class LatencyProfile:
         self.config = config or ProfileConfig()
         self.fallback = fallback or AnalyticReplayTime()
         self._buckets: dict[int, deque[tuple[int, float, int]]] = {}  # (tokens, s per block, from a prefill)
-        self._bandwidth: float | None = None
+        self._bandwidth: float | None = None  # loads with no replay beside them (load-only plans)
+        self._bandwidth_overlap: float | None = None  # loads while the compute side replayed (hybrid plans)
         self._load_observations = 0
         n = self.config.overhead_window
         self._suffix_pairs: deque[tuple[float, float]] = deque(maxlen=2 * n)  # (modelled, measured) per block
@@ -227,15 +231,24 @@ class LatencyProfile:
             q.append((tokens, per_block, int(source == "prefill")))
             self._knots = None
 
-    def observe_load(self, nbytes: float, seconds: float) -> None:
-        """Record a load of ``nbytes`` bytes that took ``seconds``; updates the bandwidth EWMA."""
+    def observe_load(self, nbytes: float, seconds: float, overlapped: bool = False) -> None:
+        """Record a load of ``nbytes`` bytes that took ``seconds``; updates the bandwidth EWMA.
+
+        ``overlapped``: the compute side replayed layers while this load ran. Such loads get their own estimate:
+        the load path shares the host (GIL, memory copies) and the device with the replay. On the H200 (8B shape,
+        40 Gbps link) loads alone ran at 4.5 GB/s and the same loads beside a replay at 3.3-3.5 GB/s, so plans
+        made with one mixed figure loaded ~30% more than the link delivered in time."""
         nbytes, seconds = float(nbytes), float(seconds)
         if nbytes <= 0 or seconds <= 0 or not (math.isfinite(nbytes) and math.isfinite(seconds)):
             return  # nothing measurable (cache hit in RAM, clock resolution): ignore rather than skew
         bw = nbytes / seconds
         a = self.config.bandwidth_alpha
         with self._lock:
-            self._bandwidth = bw if self._bandwidth is None else a * bw + (1 - a) * self._bandwidth
+            if overlapped and self.config.separate_overlapped_loads:
+                old = self._bandwidth_overlap
+                self._bandwidth_overlap = bw if old is None else a * bw + (1 - a) * old
+            else:
+                self._bandwidth = bw if self._bandwidth is None else a * bw + (1 - a) * self._bandwidth
             self._load_observations += 1
 
     def observe_suffix(self, per_block_seconds: float, modelled_seconds: float) -> None:
@@ -337,14 +350,31 @@ class LatencyProfile:
         return self._fixed.value or 0.0
 
     def reset_bandwidth(self) -> None:
-        """Forget the load-bandwidth estimate (the link changed); F(t) is kept."""
+        """Forget the load-bandwidth estimates (the link changed); F(t) is kept."""
         with self._lock:
-            self._bandwidth = None
+            self._bandwidth = self._bandwidth_overlap = None
+
+    def bandwidth_for(self, overlapped: bool) -> float | None:
+        """Bytes per second (EWMA) of loads with (``overlapped``) or without a replay beside them; the other
+        estimate where this one has no observation yet; None before any load was observed."""
+        first, other = (self._bandwidth_overlap, self._bandwidth) if overlapped else \
+            (self._bandwidth, self._bandwidth_overlap)
+        return first if first is not None else other
 
     @property
     def bandwidth(self) -> float | None:
-        """Bytes per second (EWMA), or None before any load was observed."""
+        """What a hybrid plan's loads get (bytes/s): the overlapped estimate, else the load-alone one."""
+        return self.bandwidth_for(True)
+
+    @property
+    def solo_bandwidth(self) -> float | None:
+        """Bytes per second of loads that ran with no replay beside them (None: none observed)."""
         return self._bandwidth
+
+    @property
+    def overlap_bandwidth(self) -> float | None:
+        """Bytes per second of loads that ran beside a replay (None: none observed)."""
+        return self._bandwidth_overlap
 
     @property
     def num_observations(self) -> int:
@@ -409,6 +439,7 @@ class LatencyProfile:
                 "config": asdict(self.config),
                 "observations": {str(b): [list(o) for o in q] for b, q in sorted(self._buckets.items())},
                 "bandwidth": self._bandwidth,
+                "bandwidth_overlapped": self._bandwidth_overlap,
                 "load_observations": self._load_observations,
                 "suffix_pairs": [list(o) for o in self._suffix_pairs],
                 "fixed_overhead": list(self._fixed.values),
@@ -426,6 +457,8 @@ class LatencyProfile:
                 prof.observe(int(o[0]), float(o[1]), source="prefill" if len(o) > 2 and o[2] else "layer")
         bw = d.get("bandwidth")
         prof._bandwidth = None if bw is None else float(bw)
+        bwo = d.get("bandwidth_overlapped")  # absent in profiles saved before the two were kept apart
+        prof._bandwidth_overlap = None if bwo is None else float(bwo)
         prof._load_observations = int(d.get("load_observations", 0))
         n = prof.config.overhead_window
         old = d.get("suffix_overhead")  # saved before pairs were kept: overheads over a zero difference

@@ -226,3 +226,80 @@ def test_merge_layers_must_be_a_positive_int(bad) -> None:
         LoadConfig(merge_layers=bad)
     with pytest.raises(ValueError, match="merge_load_layers"):
         RestoreConfig(merge_load_layers=bad)
+
+
+def test_loads_beside_a_replay_feed_the_overlapped_estimate(stored) -> None:
+    """A hybrid plan's loads are observed as overlapped, a load-only plan's as alone; plans read the matching one."""
+    from types import SimpleNamespace
+
+    from kvtide.restore.profile import LatencyProfile
+
+    llm, store, ids, _, keys = stored
+    L = llm.engine.model.args.num_layers
+    eng = llm.engine
+    for js, overlapped in (([0] * L, False), ([CHUNK] * L, True)):
+        prof = LatencyProfile()
+        seq = Sequence(f"o{time.perf_counter_ns()}", None, list(ids), greedy(1))
+        assert eng.block_manager.allocate(seq, len(ids))
+        with torch.inference_mode():
+            res = RestoreExecutor(EnginePort(eng.runner, [seq]), store, CHUNK).run(
+                [RestoreJob(ids, 0, N, len(ids), keys, js)], profile=prof)
+        eng.block_manager.release(seq)
+        assert res.load_bytes > 0 and (res.recompute_seconds > 0) == overlapped
+        assert (prof.overlap_bandwidth is not None) == overlapped and (prof.solo_bandwidth is not None) != overlapped
+    r = eng.restorer
+    old = r.profile
+    try:
+        r.profile = LatencyProfile()
+        r.profile.observe_load(4e9, 1.0)
+        r.profile.observe_load(1e9, 1.0, overlapped=True)
+        assert r.bandwidth("load") == pytest.approx(4e9) and r.bandwidth("cacheflow") == pytest.approx(1e9)
+        picked = [(SimpleNamespace(num_tokens=N + 4), 0, N, [])]
+        r.plan_for(picked, "cake")
+        assert r.plan_bandwidth == pytest.approx(1e9)
+        r.plan_for(picked, "load")
+        assert r.plan_bandwidth == pytest.approx(4e9)
+    finally:
+        r.profile = old
+
+
+def test_chunk_runs_group_only_whole_consecutive_chunks_of_one_layer_and_request() -> None:
+    from kvtide.restore.executor import _chunk_runs
+
+    C, S = 32, 1024
+    items = [(0, (0, 0, 0, 32)), (0, (0, 1, 32, 64)), (0, (0, 2, 64, 96)),  # one run of 3
+             (0, (1, 0, 0, 32)),  # another request
+             (1, (1, 1, 32, 64)),  # another layer, and not chunk 0 of it: starts a new run
+             (1, (1, 2, 64, 96)),
+             (1, (1, 4, 128, 160)),  # a gap in chunk indices
+             (2, (0, 0, 16, 32)),  # a partial chunk never joins
+             (2, (0, 1, 32, 64))]
+    shapes = [(2, C, 3, 64)] * len(items)
+    offs = [k * S for k in range(len(items) + 1)]
+    assert _chunk_runs(items, shapes, offs, [S] * len(items), C) == [(0, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9)]
+    padded = [0, S + 64, 2 * S + 128]  # staging slots not back to back: no run
+    assert _chunk_runs(items[:2], shapes[:2], padded, [S, S], C) == [(0, 1), (1, 2)]
+
+
+def test_write_kv_chunks_places_what_per_entry_writes_place(stored) -> None:
+    llm, _, ids, _, _ = stored
+    eng = llm.engine
+    runner = eng.runner
+    heads, dim = EnginePort(runner, []).kv_entry_shape()
+    chunks = torch.randn(3, 2, CHUNK, heads, dim).to(runner.kv_caches[0].dtype)
+    got = []
+    for grouped in (False, True):
+        seq = Sequence(f"w{time.perf_counter_ns()}", None, list(ids), greedy(1))
+        assert eng.block_manager.allocate(seq, len(ids))
+        port = EnginePort(runner, [seq])
+        if grouped:
+            port.write_kv_chunks(2, 0, 0, chunks)
+        else:
+            for i in range(3):
+                port.write_kv(2, 0, CHUNK * i, chunks[i])
+        pages = torch.tensor(seq.pages)[:3 * CHUNK // runner.page_size]
+        got.append(runner.kv_caches[2][pages].clone())
+        eng.block_manager.release(seq)
+    assert torch.equal(got[0], got[1])
+    want = chunks.unflatten(2, (CHUNK // runner.page_size, runner.page_size)).transpose(1, 2).flatten(0, 1)
+    assert torch.equal(got[1], want)

@@ -100,13 +100,35 @@ def test_bandwidth_ewma() -> None:
     assert prof.bandwidth == pytest.approx(2e9)
 
 
+def test_overlapped_loads_kept_apart() -> None:
+    """Loads beside a replay get their own estimate; hybrid plans read it, load-only plans the other."""
+    prof = LatencyProfile(ProfileConfig(bandwidth_alpha=0.5))
+    prof.observe_load(4e9, 1.0)  # a load-only restoration
+    assert prof.bandwidth_for(True) == pytest.approx(4e9)  # nothing overlapped yet: the load-alone figure
+    prof.observe_load(3e9, 1.0, overlapped=True)
+    prof.observe_load(2e9, 1.0, overlapped=True)
+    assert prof.overlap_bandwidth == pytest.approx(2.5e9) and prof.bandwidth == pytest.approx(2.5e9)
+    assert prof.solo_bandwidth == pytest.approx(4e9) and prof.bandwidth_for(False) == pytest.approx(4e9)
+    only_overlap = LatencyProfile()
+    only_overlap.observe_load(1e9, 1.0, overlapped=True)
+    assert only_overlap.bandwidth_for(False) == pytest.approx(1e9)
+    prof.reset_bandwidth()
+    assert prof.bandwidth is None and prof.bandwidth_for(False) is None
+    mixed = LatencyProfile(ProfileConfig(bandwidth_alpha=0.5, separate_overlapped_loads=False))
+    mixed.observe_load(4e9, 1.0)
+    mixed.observe_load(2e9, 1.0, overlapped=True)  # one estimate over every load
+    assert mixed.bandwidth == mixed.bandwidth_for(False) == pytest.approx(3e9) and mixed.overlap_bandwidth is None
+
+
 def test_round_trip_json() -> None:
     prof = learned(seed=3)
     prof.observe_load(5e8, 0.5)
+    prof.observe_load(3e8, 0.5, overlapped=True)
     again = LatencyProfile.from_json(prof.to_json())
     t = np.array([0, 7, 64, 999, 5000, 30000])
     assert np.allclose(prof(t), again(t))
     assert again.bandwidth == prof.bandwidth
+    assert (again.solo_bandwidth, again.overlap_bandwidth) == (prof.solo_bandwidth, prof.overlap_bandwidth)
     assert again.config == prof.config
     with pytest.raises(ValueError):
         LatencyProfile.from_dict({**prof.to_dict(), "version": 99})
