@@ -137,11 +137,11 @@ def cuda_inputs(kv: torch.Tensor, version: int) -> dict[str, tuple[torch.Tensor,
     return {"cuda_zip": (e.data, e.starts.view(p, HKV, 2), e.desc.view(p, HKV, 2, nb)), "cuda_raw": zc.raw_pool(groups)}
 
 
-def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, args, dev, tuning=None) -> dict:
-    """Every launch shape checked (f64 reference, all outputs written) and timed; the best kept."""
+def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, args, dev) -> dict:
+    """Every CUDA_CONFIGS launch shape checked (f64 reference, all outputs written) and timed; the best kept."""
     tuned = []
     for warps, min_blocks, waves in args.cuda_launch:
-        opts = dict(warps=warps, min_blocks=min_blocks, waves=waves, tuning=tuning)
+        opts = dict(warps=warps, min_blocks=min_blocks, waves=waves)
         try:
             p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
             out = torch.full_like(q, float("nan"))
@@ -155,7 +155,7 @@ def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, ar
         vs_fi = float((out.float() - o_fi.float()).norm() / o_fi.float().norm())
         us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.tune_rep) if ok and err < 1e-2 \
             else float("inf")
-        k = zc.kernels(dev.index or 0, D, args.version, warps, min_blocks, p.tuning)["zip_decode"]
+        k = zc.kernels(dev.index or 0, D, args.version, warps, min_blocks)["zip_decode"]
         tuned.append(dict(options=opts, splits=p.num_splits, us=us, all_written=ok, rel_err_f64=err,
                           rel_diff_vs_flashinfer=vs_fi, registers=k.num_regs, local_bytes=k.local_bytes))
     good = [t for t in tuned if t.get("us", float("inf")) < float("inf")]
@@ -181,18 +181,8 @@ def config_options(cfg) -> dict:
 CUDA_CONFIGS = [(4, 3, None), (2, 6, None), (1, 12, None), (4, 2, None), (4, 3, 2.0), (4, 3, 4.0), (2, 6, 4.0)]
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, int]]:
-    """``name=SWITCH:value,SWITCH:value`` (``name=`` alone: the defaults) -> (name, switches)."""
-    name, _, spec = text.partition("=")
-    sw = {}
-    for item in filter(None, spec.split(",")):
-        k, _, v = item.partition(":")
-        sw[k] = int(v)
-    zc.check_tuning(sw)
-    return name, sw
-
-
 def parse_launch(text: str) -> tuple[int, int, float | None]:
+    """``warps,min_blocks[,waves]`` -> a CUDA_CONFIGS entry."""
     w, mb, *wv = text.split(",")
     return int(w), int(mb), (float(wv[0]) if wv and wv[0] not in ("", "None") else None)
 
@@ -215,11 +205,8 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--tune-rep", type=int, default=25)
     ap.add_argument("--skip-triton", action="store_true", help="time only FlashInfer and the CUDA kernel")
-    ap.add_argument("--cuda-variants", type=parse_variant, nargs="+", default=None,
-                    help="CUDA kernel compile-time switch sets, each timed (name=SWITCH:v,...); the first is reported "
-                         "as cuda_zip / cuda_raw, every one under cuda_variants")
     ap.add_argument("--cuda-launch", type=parse_launch, nargs="+", default=CUDA_CONFIGS,
-                    help="launch shapes tried per kernel: warps,min_blocks[,waves]")
+                    help="CUDA kernel launch shapes tried: warps,min_blocks[,waves] (default: CUDA_CONFIGS)")
     args = ap.parse_args()
     if args.capture:
         capture(args.capture, args.capture_tokens)
@@ -267,20 +254,12 @@ def main() -> None:
                        zip_bytes=zip_bytes, bytes_ratio=zip_bytes / raw_bytes)
             row["flashinfer_rel_err"] = float((o_fi[:nref].double() - ref).norm() / ref.norm())
             best = {}
-            variants = args.cuda_variants or [("default", {})]
-            row["cuda_variants"] = {}
-            for vi, (vname, sw) in enumerate(variants):
-                for kind, (cp, cs, cd) in cuda_in.items():  # the CUDA kernel over the mma-ordered pool, and all-raw
-                    res = tune_cuda(cp, cs, cd, q, indptr, indices, last, ref, o_fi, nref, args, dev, sw)
-                    res["switches"] = sw
-                    key = kind if vi == 0 else f"{kind}:{vname}"
-                    row["cuda_variants"][f"{kind}:{vname}"] = res
-                    if vi == 0:
-                        row[kind] = res
-                    if "us" in res:
-                        cplan = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev,
-                                        **res["options"])
-                        best[key] = lambda p=cplan, cp=cp, cs=cs, cd=cd: zc.run(p, q, cp, cs, cd)  # noqa: E731
+            for kind, (cp, cs, cd) in cuda_in.items():  # the CUDA kernel over the mma-ordered pool, and all-raw
+                row[kind] = tune_cuda(cp, cs, cd, q, indptr, indices, last, ref, o_fi, nref, args, dev)
+                if "us" in row[kind]:
+                    opts = row[kind]["options"]
+                    cplan = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+                    best[kind] = lambda p=cplan, cp=cp, cs=cs, cd=cd: zc.run(p, q, cp, cs, cd)  # noqa: E731
             cdsc = cuda_in["cuda_zip"][2][used]
             cuda_bytes = int(zb.block_sizes(cdsc.view(used.numel(), -1), BLOCK).sum()) + \
                 used.numel() * HKV * 2 * (8 + cdsc.shape[-1])
@@ -333,19 +312,17 @@ def main() -> None:
             # final timings, interleaved in one run
             row["flashinfer_us"] = bench(lambda: fi.run(q, kv), args.rep)
             for kind, fn in best.items():
-                entry = row[kind] if kind in row else row["cuda_variants"][kind]
-                entry["us"] = bench(fn, args.rep)
+                row[kind]["us"] = bench(fn, args.rep)
             row["decompress_only_us"] = bench(lambda: za.decompress_pages(
                 pool, gstart, gdesc, PS, D, BLOCK, args.version, out=buf, page_ids=page_ids), args.rep)
             row["decompress_then_flashinfer_us"] = bench(decomp_then_fi, args.rep)
             fi_us = row["flashinfer_us"]
             row["flashinfer_TBps"] = raw_bytes / fi_us / 1e6
             for kind in best:
-                entry = row[kind] if kind in row else row["cuda_variants"][kind]
-                us = entry["us"]
-                entry["speedup_vs_flashinfer"] = fi_us / us
-                nbytes = {"zip": zip_bytes, "cuda_zip": cuda_bytes}.get(kind.split(":")[0], raw_bytes)
-                entry["TBps"] = nbytes / us / 1e6
+                us = row[kind]["us"]
+                row[kind]["speedup_vs_flashinfer"] = fi_us / us
+                nbytes = {"zip": zip_bytes, "cuda_zip": cuda_bytes}.get(kind, raw_bytes)
+                row[kind]["TBps"] = nbytes / us / 1e6
             row["ceiling_speedup"] = raw_bytes / zip_bytes
             row["cuda_ceiling_speedup"] = raw_bytes / cuda_bytes
             results.append(row)
@@ -357,10 +334,6 @@ def main() -> None:
                   f"  x{z.get('speedup_vs_flashinfer', 0):.3f} (ceil x{row['ceiling_speedup']:.3f})"
                   f"  decomp+FI {row['decompress_then_flashinfer_us']:7.1f}  K {k_frac:.3f} V {v_frac:.3f}",
                   flush=True)
-            for key, entry in row["cuda_variants"].items():
-                if "speedup_vs_flashinfer" in entry:
-                    print(f"    {key:28s} {entry['us']:7.1f} us  x{entry['speedup_vs_flashinfer']:.3f}  "
-                          f"{entry['TBps']:.2f} TB/s  launch {entry['options']}", flush=True)
             del buf
         del kv, pool, gstart, gdesc, cuda_in
         torch.cuda.empty_cache()

@@ -92,25 +92,12 @@ def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_
     return None
 
 
-TUNING_SWITCHES = ("PF_PAGES", "META_PF", "META_LATE", "S_ACC2", "ESC_PRMT")  # zip_decode.cu's #ifndef switches
-
-
 @functools.cache
-def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int,
-            tuning: tuple[tuple[str, int], ...] = ()) -> dict[str, cuda_jit.Kernel]:
+def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int) -> dict[str, cuda_jit.Kernel]:
     major, minor = torch.cuda.get_device_capability(device)
     cubin, _log = cuda_jit.compile_cubin(SOURCE.read_text(), "zip_decode", major * 10 + minor,
-                                         dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks,
-                                              **dict(tuning)))
+                                         dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks))
     return cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
-
-
-def check_tuning(tuning: dict[str, int] | None) -> tuple[tuple[str, int], ...]:
-    """The kernel's compile-time switches as a hashable tuple; unknown names refused."""
-    bad = sorted(set(tuning or {}) - set(TUNING_SWITCHES))
-    if bad:
-        raise ValueError(f"unknown CUDA kernel switches {bad}; known: {TUNING_SWITCHES}")
-    return tuple(sorted((k, int(v)) for k, v in (tuning or {}).items()))
 
 
 @dataclass
@@ -130,7 +117,6 @@ class CudaDecodePlan:
     warps: int
     min_blocks: int
     sm_scale: float
-    tuning: tuple[tuple[str, int], ...] = ()  # compile-time switches other than the defaults (benchmarks)
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
 
@@ -142,7 +128,7 @@ class CudaDecodePlan:
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
          num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
          sm_scale: float | None = None, num_splits: int | None = None, warps: int | None = None,
-         min_blocks: int | None = None, waves: float | None = None, tuning: dict[str, int] | None = None,
+         min_blocks: int | None = None, waves: float | None = None,
          device: torch.device | str | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
@@ -159,7 +145,6 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
                          f"got {page_size} and {block_size}")
     if version not in (1, 2):
         raise ValueError(f"unknown ZipFusion format version {version}")
-    switches = check_tuning(tuning)
     dflt = _DEFAULTS[head_dim]
     warps = dflt["warps"] if warps is None else warps
     min_blocks = dflt["min_blocks"] if min_blocks is None else min_blocks
@@ -184,7 +169,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
-        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, tuning=switches)
+        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
     if num_splits > 1:
         p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
         p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
@@ -217,7 +202,7 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
         check_tables(p, pool, group_start, group_desc)
     out = torch.empty_like(q) if out is None else out
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    k = kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.tuning)
+    k = kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks)
     split = p.num_splits > 1
     grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [

@@ -29,16 +29,20 @@ def _rebuild8_from_source():
     body = SRC[SRC.index("void rebuild8"):SRC.index("// Fragments of the two k-steps")]
     perms = re.findall(r"w\[(\d)\] = __byte_perm\((la|lb), (he|ho), (0x[0-9a-fA-F]+)\)", body)
     assert len(perms) == 4, "rebuild8 must end in four byte permutes"
-    for const in ("0x07070707u", "0x80808080u", "0x01010101u", "0x08080808u"):
+    for const in ("0x07070707u", "0x80808080u", "0x79797979u"):
         assert const in body
+    assert "0xBA98" in SRC[SRC.index("u32 prmt_sign"):SRC.index("void rebuild8")], "prmt_sign must replicate signs"
     m = 0xFFFFFFFF
 
-    def rebuild8(cw, la, lb, b4, z4, esc):
+    def prmt_sign(x: int) -> int:  # prmt with selectors 8..11: each byte becomes its top bit copied 8 times
+        return sum((((x >> (8 * i + 7)) & 1) * 0xFF) << (8 * i) for i in range(4))
+
+    def rebuild8(cw, la, lb, b4, esc):
         de, dod = cw & 0x07070707, (cw >> 4) & 0x07070707
         he, ho = (de + b4) & m, (dod + b4) & m
         if esc:
-            he = (he - (((de + 0x01010101) & 0x08080808) >> 3) * z4) & m
-            ho = (ho - (((dod + 0x01010101) & 0x08080808) >> 3) * z4) & m
+            he &= ~prmt_sign((de + 0x79797979) & m) & m
+            ho &= ~prmt_sign((dod + 0x79797979) & m) & m
         he |= (cw << 4) & 0x80808080
         ho |= cw & 0x80808080
         regs = {"la": la, "lb": lb, "he": he, "ho": ho}
@@ -71,7 +75,7 @@ def test_rebuild_arithmetic_is_bit_exact(version: int) -> None:
         words = []
         for grp in range(64):  # a lane's 8-value group: code word grp, low words 2 grp and 2 grp + 1
             words += rebuild8(int(w[128 + grp]), int(w[2 * grp]), int(w[2 * grp + 1]), (dj & 0x7F) * 0x01010101,
-                              (dj & 0x7F) + 7, bool(dj & 0x80))
+                              bool(dj & 0x80))
         got = np.array(words, dtype=np.uint32).view(np.uint16)
         assert np.array_equal(got, bits[0].numpy().view(np.uint16)), f"trial {trial}, descriptor {dj:#x}"
     assert seen == ({0, 1} if version == 2 else {0}), "expected plain (and, in v2, escape) blocks"
@@ -122,7 +126,7 @@ def _lane_tile(pool: np.ndarray, start: int, dword: int, d: int, kv: int, rebuil
         else:  # 16 low bytes at lane * 16, 8 code bytes at 512 + lane * 8
             low = pool[off + lane[:, None] * 16 + np.arange(16)].copy().view(np.uint32).astype(np.int64)
             code = pool[off + 512 + lane[:, None] * 8 + np.arange(8)].copy().view(np.uint32).astype(np.int64)
-            args = ((dj & 0x7F) * 0x01010101, (dj & 0x7F) + 7, bool(dj & 0x80))
+            args = ((dj & 0x7F) * 0x01010101, bool(dj & 0x80))
             words = np.stack(rebuild8(code[:, 0], low[:, 0], low[:, 1], *args)
                              + rebuild8(code[:, 1], low[:, 2], low[:, 3], *args), 1)
             off += 768

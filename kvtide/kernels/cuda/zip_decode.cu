@@ -25,23 +25,6 @@ typedef unsigned long long u64;
 #error "HEAD_DIM must be 64 or 128"
 #endif
 
-// Tuning switches (defaults are the measured best; bench/zip_attention.py --cuda-variants times others).
-#ifndef PF_PAGES  // pull page p + PF_PAGES - 1 into L2 while page p is in use (0, 1: off)
-#define PF_PAGES 0
-#endif
-#ifndef META_PF  // pull the next chunk of page metadata into L2 half a chunk early
-#define META_PF 0
-#endif
-#ifndef META_LATE  // fetch the next page's metadata after this page's S^T, not before it
-#define META_LATE 0
-#endif
-#ifndef S_ACC2  // S^T over two accumulators (two mma chains of NB, not one of 2 NB)
-#define S_ACC2 0
-#endif
-#ifndef ESC_PRMT  // v2 zero escapes cleared by a sign-replicating byte permute (else a multiply-subtract)
-#define ESC_PRMT 0
-#endif
-
 __device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(w[o]), "=r"(w[o + 1]), "=r"(w[o + 2]), "=r"(w[o + 3]) : "l"(p));
@@ -88,38 +71,20 @@ __device__ __forceinline__ u32 prmt_sign(u32 x) {
   return y;
 }
 
-// L2 prefetch of one group's bytes (NB blocks from its start; raw blocks 1024 B, compressed 768 B); no registers
-// held, no wait: the later register loads of the group then come from L2.
-__device__ __forceinline__ void prefetch_group(const u8* __restrict__ pool, u32 start16, u32 desc) {
-  u32 size = NB * 768u;
-#pragma unroll
-  for (int j = 0; j < NB; ++j) size += ((desc >> (8 * j)) & 0xFFu) == 0xFFu ? 256u : 0u;
-  const u8* p = pool + ((u64)start16 << 4);
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(size));
-#else
-  for (u32 o = 0; o < size; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-#endif
-}
-
 // Eight values of a compressed block -> four bf16x2 words (pairs 0-1, 2-3, 4-5, 6-7), byte-parallel: code word
 // cw (nibbles n(v0) n(v2) n(v4) n(v6) n(v1) n(v3) n(v5) n(v7), n = sign << 3 | d), low words la (values 0-3,
 // stored l0 l2 l1 l3) and lb (4-7). A value's high byte is sign << 7 | (b/2 + d), four at a time:
 // he = [h0 h4 h1 h5] from the low nibbles of cw's bytes, ho = [h2 h6 h3 h7] from the high ones; one byte
-// permute per pair then puts low and high bytes in place. b4 = (b/2) * 0x01010101, z4 = (b/2 + 7) (v2 zeros).
+// permute per pair then puts low and high bytes in place. b4 = (b/2) * 0x01010101.
 // About 1.5 integer ops per value. zipblocks.rebuild_words / zipblocks.unpack are the torch references.
-__device__ __forceinline__ void rebuild8(u32 cw, u32 la, u32 lb, u32 b4, u32 z4, bool esc, u32 (&w)[4]) {
+__device__ __forceinline__ void rebuild8(u32 cw, u32 la, u32 lb, u32 b4, bool esc, u32 (&w)[4]) {
   const u32 de = cw & 0x07070707u, dod = (cw >> 4) & 0x07070707u;
   u32 he = de + b4, ho = dod + b4;  // b/2 + d <= 127 for every stored value: no carry into the sign bit
 #if VERSION == 2
-  if (esc) {  // d = 7 codes an exact +-0 (b/2 + 7 may reach 133): clear the byte before the sign goes in
-#if ESC_PRMT
+  if (esc) {  // d = 7 codes an exact +-0 (b/2 + 7 may reach 133): clear the byte before the sign goes in (3 ops
+              // per 4 values; a multiply-subtract form, 5, was 0.4-4% slower on the H200: zip_attention_cuda_variants)
     he &= ~prmt_sign(de + 0x79797979u);  // a byte of 0x80 (d = 7) -> 0xFF, d <= 6 -> 0x00
     ho &= ~prmt_sign(dod + 0x79797979u);
-#else
-    he -= (((de + 0x01010101u) & 0x08080808u) >> 3) * z4;
-    ho -= (((dod + 0x01010101u) & 0x08080808u) >> 3) * z4;
-#endif
   }
 #endif
   he |= (cw << 4) & 0x80808080u;
@@ -140,10 +105,9 @@ __device__ __forceinline__ void block_frags(const u32 (&b)[8], u32 dj, u32 (&a0)
     }
   } else {
     const u32 b4 = (dj & 0x7Fu) * 0x01010101u;
-    const u32 z4 = (dj & 0x7Fu) + 7u;
     const bool esc = (dj & 0x80u) != 0;
-    rebuild8(b[4], b[0], b[1], b4, z4, esc, a0);
-    rebuild8(b[5], b[2], b[3], b4, z4, esc, a1);
+    rebuild8(b[4], b[0], b[1], b4, esc, a0);
+    rebuild8(b[5], b[2], b[3], b4, esc, a1);
   }
 }
 
@@ -225,12 +189,6 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
   u32 kb[NB][8], vb[NB][8];
   load_group(pool, sk, dk, kb, lane);
   load_group(pool, sv, dv, vb, lane);
-#if PF_PAGES > 1
-  if (lane >= 1 && lane < PF_PAGES && lane < n) {  // pages 1 .. PF_PAGES - 1, each by the lane holding it
-    prefetch_group(pool, meta[0], meta[2]);
-    prefetch_group(pool, meta[1], meta[3]);
-  }
-#endif
 
   float o[KS][4];
 #pragma unroll
@@ -240,65 +198,27 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
   for (int p = 0; p < n; ++p) {
     const int nx = p + 1;
     const bool more = nx < n;
+    if (more && (nx & 31) == 0) {  // next chunk of metadata
+      load_meta(pid_next, gstart, gdesc, hkv, h, meta);
+      pid_next = nx + 32 + lane < n ? pidx[nx + 32 + lane] : -1;
+    }
     u32 nsk = 0, nsv = 0, ndk = FULL, ndv = FULL;
-    // the next page's storage: a new chunk of metadata every 32 pages, then one lane's entry broadcast
-    auto next_meta = [&]() {
-      if (more && (nx & 31) == 0) {  // next chunk of metadata
-        load_meta(pid_next, gstart, gdesc, hkv, h, meta);
-        pid_next = nx + 32 + lane < n ? pidx[nx + 32 + lane] : -1;
-      }
-#if META_PF
-      if (more && (nx & 31) == 16 && pid_next >= 0) {
-        const long long gi = ((long long)pid_next * hkv + h) * 2;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(gstart + gi));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(gdesc + gi * NB));
-      }
-#endif
-#if PF_PAGES > 1
-      if (more) {  // the page PF_PAGES - 1 after the next one, if the current metadata chunk holds it
-        const int pp = nx + PF_PAGES - 1, c0 = nx & ~31;
-        const bool fresh = (nx & 31) == 0;  // a new chunk: also the pages before pp that no earlier step covered
-        if ((pp < n && pp < c0 + 32 && lane == (pp & 31)) || (fresh && lane >= 1 && lane < PF_PAGES - 1 &&
-                                                               nx + lane < n)) {
-          prefetch_group(pool, meta[0], meta[2]);
-          prefetch_group(pool, meta[1], meta[3]);
-        }
-      }
-#endif
-      if (more) {
-        nsk = __shfl_sync(FULL, meta[0], nx & 31);
-        nsv = __shfl_sync(FULL, meta[1], nx & 31);
-        ndk = __shfl_sync(FULL, meta[2], nx & 31);
-        ndv = __shfl_sync(FULL, meta[3], nx & 31);
-      }
-    };
-#if !META_LATE
-    next_meta();
-#endif
+    if (more) {
+      nsk = __shfl_sync(FULL, meta[0], nx & 31);
+      nsv = __shfl_sync(FULL, meta[1], nx & 31);
+      ndk = __shfl_sync(FULL, meta[2], nx & 31);
+      ndv = __shfl_sync(FULL, meta[3], nx & 31);
+    }
 
     // S^T = K Q^T for this page's 16 tokens
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-#if S_ACC2
-    float sb[4] = {0.f, 0.f, 0.f, 0.f};
-#endif
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
       u32 a0[4], a1[4];
       block_frags(kb[j], (dk >> (8 * j)) & 0xFFu, a0, a1);
       mma(s, a0, bq[2 * j][0], bq[2 * j][1]);
-#if S_ACC2
-      mma(sb, a1, bq[2 * j + 1][0], bq[2 * j + 1][1]);
-#else
       mma(s, a1, bq[2 * j + 1][0], bq[2 * j + 1][1]);
-#endif
     }
-#if S_ACC2
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[i] += sb[i];
-#endif
-#if META_LATE  // after S: the metadata loads of a new chunk overlap this page's S^T
-    next_meta();
-#endif
     if (more) load_group(pool, nsk, ndk, kb, lane);
 
     // online softmax in base 2; the running max moves only when a head's max grows by more than 2^8
