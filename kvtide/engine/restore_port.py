@@ -83,7 +83,7 @@ class EnginePort:
 
         One indexed copy for all k in the fixed layout (``write_kv`` would take k of them, each a few torch calls on the
         I/O thread, which shares the GIL with the compute thread). H200, 8B shape, one device session: loads alone 4.68
-        vs 4.22 GB/s, beside a replay 3.68 vs 3.27, CacheFlow's batch-1 restorations 11-12% shorter."""
+        vs 4.22 GB/s, beside a replay 3.68 vs 3.27, CacheFlow's batch-1 restorations 10-12% shorter."""
         k, _, n = chunks.shape[:3]
         p = self.page_size
         if self.runner.store is not None or start % p or n % p:

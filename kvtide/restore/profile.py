@@ -69,6 +69,8 @@ class ProfileConfig:
             raise ValueError(f"overhead_window must be an int >= 1, got {self.overhead_window!r}")
         if not 0.0 < self.bandwidth_alpha <= 1.0:
             raise ValueError(f"bandwidth_alpha must be in (0, 1], got {self.bandwidth_alpha!r}")
+        if not isinstance(self.separate_overlapped_loads, bool):
+            raise ValueError(f"separate_overlapped_loads must be a bool, got {self.separate_overlapped_loads!r}")
 
 
 class _Recent:

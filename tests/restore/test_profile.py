@@ -88,6 +88,8 @@ def test_per_block_division_and_validation() -> None:
         ProfileConfig(window=0)
     with pytest.raises(ValueError):
         ProfileConfig(bandwidth_alpha=0.0)
+    with pytest.raises(ValueError):
+        ProfileConfig(separate_overlapped_loads="yes")
 
 
 def test_bandwidth_ewma() -> None:
