@@ -27,6 +27,7 @@ overlap of compute and link could serve the same restorations, before queueing m
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -150,8 +151,18 @@ class Bench:
         w0 = self.r.writer.stats.bytes
         t0 = time.perf_counter()
         trail = []  # per token: (seconds since the request was added, bytes the writer has written since)
-        for out in self.llm.stream(self.text[o:o + lengths[0]], greedy(5)):
-            trail.append((time.perf_counter() - t0, self.r.writer.stats.bytes - w0))
+        # Where a stalled step waits: every thread's stack, every 3 s while the probe runs (H200: the first decode
+        # step after the prefill arrived only once the writer had written its whole 2 GiB backlog, 20.6 s).
+        stacks = Path(self.a.out_dir) / "decode_probe_stacks.txt"
+        stacks.parent.mkdir(parents=True, exist_ok=True)
+        with open(stacks, "w") as dump:
+            faulthandler.dump_traceback_later(3.0, repeat=True, file=dump)
+            try:
+                for out in self.llm.stream(self.text[o:o + lengths[0]], greedy(5)):
+                    trail.append((time.perf_counter() - t0, self.r.writer.stats.bytes - w0))
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+        self.probe_stacks = str(stacks) if stacks.stat().st_size else None
         self.decode_step_writer_busy = (out.latency - out.ttft) / 4
         self.probe_trail = {"token_times_s": [x for x, _ in trail], "writer_bytes_written": [y for _, y in trail],
                             "writer_backlog_after_bytes": self.r.writer.queued_bytes}
@@ -684,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
             "attention_backend": b.eng.runner.attention.name, "cuda_graphs": bool(a.cuda_graphs),
             "decode_step_batch1_s": b.decode_step, "decode_step_batch1_writer_busy_s": b.decode_step_writer_busy,
             "writer_backlog_bytes_at_that_step": b.writer_backlog_bytes,
-            "decode_probe_writer_busy": b.probe_trail,
+            "decode_probe_writer_busy": b.probe_trail, "decode_probe_stacks": b.probe_stacks,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
             "store": "in-process memory tier (XXH3-128 checksummed records, verified on every load)",
