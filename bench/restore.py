@@ -163,6 +163,8 @@ class Bench:
             finally:
                 faulthandler.cancel_dump_traceback_later()
         self.probe_stacks = str(stacks) if stacks.stat().st_size else None
+        if self.probe_stacks is None:
+            stacks.unlink()  # no step stalled long enough to dump: leave nothing behind
         self.decode_step_writer_busy = (out.latency - out.ttft) / 4
         self.probe_trail = {"token_times_s": [x for x, _ in trail], "writer_bytes_written": [y for _, y in trail],
                             "writer_backlog_after_bytes": self.r.writer.queued_bytes}
