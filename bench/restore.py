@@ -401,12 +401,14 @@ def summarize_isolated(rows: list[dict], layers: int) -> list[dict]:
         ideal_sfx = max(x * P + S, (1 - x) * Q + sig) + fixed
         # The link as the hybrid methods saw it: loads beside a replay share the host and the device with it. The
         # ideal with that rate is what overlap can reach once the two paths slow each other down.
-        rate = lambda rs: statistics.median(r["load_bytes"] / r["load_s"] for r in rs if r["load_s"] > 0)  # noqa
-        hybrid = [r for m in ("cacheflow", "cake", "layerwise") for r in by[m] if r["load_s"] > 0 and r["recompute_s"] > 0]
+        def rate(rs: list[dict]) -> float | None:
+            vals = [r["load_bytes"] / r["load_s"] for r in rs if r["load_s"] > 0 and r["load_bytes"] > 0]
+            return statistics.median(vals) if vals else None
+
+        hybrid = [r for m in ("cacheflow", "cake", "layerwise") for r in by[m] if r["recompute_s"] > 0]
         rate_alone = rate(by["load"])
-        rate_beside = rate(hybrid) if hybrid else rate_alone
-        tl_beside = tl * rate_alone / rate_beside
-        ideal_beside = 1 / (1 / tr + 1 / tl_beside)
+        rate_beside = rate(hybrid) or rate_alone
+        ideal_beside = 1 / (1 / tr + 1 / (tl * rate_alone / rate_beside)) if rate_alone and rate_beside else None
         out.append({"tokens": k[0], "gbps": k[1], "batch": k[2], "t_recompute_s": tr, "t_load_s": tl,
                     "t_ideal_s": ideal, "ideal_gain": best_single / ideal, "t_ideal_suffix_aware_s": ideal_sfx,
                     "cacheflow_fraction_of_suffix_aware_ideal": ideal_sfx / t("cacheflow"),
@@ -415,7 +417,8 @@ def summarize_isolated(rows: list[dict], layers: int) -> list[dict]:
                     "cacheflow_fraction_of_ideal_gain": (best_single / t("cacheflow")) / (best_single / ideal),
                     "load_rate_alone_bytes_per_s": rate_alone, "load_rate_beside_replay_bytes_per_s": rate_beside,
                     "t_ideal_beside_replay_s": ideal_beside,
-                    "cacheflow_fraction_of_ideal_gain_beside_replay": ideal_beside / t("cacheflow"),
+                    "cacheflow_fraction_of_ideal_gain_beside_replay": ideal_beside / t("cacheflow") if ideal_beside
+                    else None,
                     "cacheflow_assumed_over_measured_rate": statistics.median(
                         r["bandwidth_assumed"] * r["load_s"] / r["load_bytes"] for r in cf if r["load_bytes"] > 0)
                     if any(r["load_bytes"] > 0 for r in cf) else None,
