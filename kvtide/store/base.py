@@ -215,7 +215,7 @@ def encode_record(key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray,
     arr[HEADER_BYTES + len(meta):start] = np.frombuffer(tok, np.uint8)
     if nbytes:
         buf[start:].view(kv.dtype).view(kv.shape).copy_(kv.detach())
-    digest = xxhash.xxh3_128_intdigest(arr[HEADER_BYTES:]).to_bytes(16, "little")
+    digest = _digest(arr[HEADER_BYTES:HEADER_BYTES + len(meta)], arr[HEADER_BYTES + len(meta):])
     _HEADER.pack_into(arr, 0, RECORD_MAGIC, RECORD_VERSION, 0, len(meta), len(tok) + nbytes, digest)
     arr.flags.writeable = False
     return memoryview(arr)
