@@ -156,3 +156,48 @@ def test_decode_compresses_a_filled_page_one_step_later_and_prefill_at_once():
     while eng.has_unfinished():
         eng.step()
     assert not store._pending, "an idle engine leaves no compression half done"
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_decode_pages_are_allocated_while_the_step_runs_and_an_unused_one_is_given_back(ahead):
+    """SchedulerConfig.allocate_ahead: the page a decoding sequence needs next is taken by the runner's
+    while_busy hook (device busy), not by schedule() (device idle); tokens and final pool state do not change."""
+    llm = engine_llm(SMOL, cache=CacheConfig(compress=True, num_pages=24),
+                     scheduler=SchedulerConfig(allocate_ahead=ahead))
+    eng, store = llm.engine, llm.engine.store
+    where, phase = [], ["other"]
+    alloc = store.alloc_pages
+
+    def counted(pids):
+        where.append((phase[0], len(pids)))
+        return alloc(pids)
+
+    def tagged(obj, name, tag):
+        fn = getattr(obj, name)
+
+        def call(*a, **k):
+            phase[0] = tag
+            try:
+                return fn(*a, **k)
+            finally:
+                phase[0] = "other"
+        setattr(obj, name, call)
+
+    store.alloc_pages = counted
+    tagged(eng.scheduler, "schedule", "schedule")
+    tagged(eng.scheduler, "allocate_ahead", "ahead")
+    ids = eng.tokenizer.encode("A ledger of the harbour's ships, their cargo and their ports of call:")
+    prompt = (ids * 4)[:37]
+    # the last step computes position 63, the end of page 3: with allocate_ahead it takes page 4 for nothing
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))[0]
+    ref = engine_llm(SMOL, cache=CacheConfig(num_pages=24)).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))[0]
+    assert out.token_ids == ref.token_ids
+    assert where[0] == ("schedule", 3), "the prefill's pages come from schedule()"
+    decode = where[1:]
+    # page 3 (positions 48-63), and with allocate_ahead page 4, taken at the last step and never used
+    assert decode == ([("ahead", 1)] * 2 if ahead else [("schedule", 1)]), decode
+    s = eng.kv_stats()
+    assert s["pages_held"] == s["pages_compressed_held"] == 4, "the unused page went back; 4 full pages stay cached"
+    eng.block_manager.evict_cached()
+    assert store.free_pages(reserve=False) == store.raw_capacity_pages
