@@ -117,9 +117,8 @@ class HostClock:
     inside compress only where it syncs itself): where page steps' extra time goes."""
 
     def __init__(self, eng: LLMEngine) -> None:
-        self.spent = {"schedule": 0.0, "ahead": 0.0, "compress": 0.0}
+        self.spent = {"schedule": 0.0, "compress": 0.0}
         self._wrap(eng.scheduler, "schedule", "schedule")
-        self._wrap(eng.scheduler, "allocate_ahead", "ahead")  # inside the step, while the device runs it
         if eng.store is not None:  # both halves (store.compress calls them too, so nothing counts twice)
             self._wrap(eng.store, "compress_begin", "compress")
             self._wrap(eng.store, "compress_finish", "compress")
@@ -211,7 +210,7 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
         "untimed_first_decode_step": True,
         "page_steps": len(page_steps),
         "host_ms_mean": {kind: {part: statistics.mean(h[part] for paged, h in host if paged == want) * 1e3
-                                for part in ("schedule", "ahead", "compress")}
+                                for part in ("schedule", "compress")}
                          for kind, want in (("page_steps", True), ("plain_steps", False))
                          if any(paged == want for paged, _ in host)},
         "page_step_median_ms": statistics.median(page_steps) * 1e3 if page_steps else None,
@@ -220,30 +219,6 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
         **({"kernel_seqs": k1["kernel_seqs"] - k0["kernel_seqs"], "fallback_seqs": k1["fallback_seqs"] - k0["fallback_seqs"]}
            if k1 else {}),
     }
-
-
-def ab_allocate_ahead(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | None, sync, reps: int,
-                      first_on: dict) -> dict:
-    """SchedulerConfig.allocate_ahead off and on, alternated on the same engine and batch (``first_on`` is the run
-    just made with it on): tokens/s of each run, their medians and the ratio on / off."""
-    cfg = eng.config.scheduler
-    runs = {"on": [first_on], "off": []}
-    try:
-        for i in range(2 * reps - 1):
-            flag = i % 2 == 1  # off, on, off, ... ending on off: `reps` runs of each
-            cfg.allocate_ahead = flag
-            runs["on" if flag else "off"].append(timed(eng, prompts, steps, proxy, sync))
-    finally:
-        cfg.allocate_ahead = True
-    tps = {k: [r.get("tokens_per_s") for r in v] for k, v in runs.items()}
-    med = {k: statistics.median(x for x in v if x) for k, v in tps.items() if any(v)}
-    out = {"reps": reps, "order": "on (the batch's run), then off/on alternated, ending on off",
-           "tokens_per_s": tps, "median_tokens_per_s": med,
-           "ratio_on_over_off": med["on"] / med["off"] if "on" in med and "off" in med else None,
-           "runs_off": runs["off"], "runs_on_extra": runs["on"][1:]}
-    print(f"      allocate_ahead A/B batch {len(prompts)}: on {[round(x or 0) for x in tps['on']]} off "
-          f"{[round(x or 0) for x in tps['off']]} tok/s; on/off {out['ratio_on_over_off']}", flush=True)
-    return out
 
 
 def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | None, sync) -> dict:
@@ -344,7 +319,7 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
                    largest_batch_how="raw capacity // (measured raw-page units of a compressed prefix + decode "
                                      "pages counted raw), lowered until the whole batch decodes every step",
                    compression_after_prefill=compression_seen(eng))
-    runs, ab = {}, {}
+    runs = {}
     want = sorted({b for b in (batches or []) if b <= largest} | ({largest} if batches is not None else {a.ref_batch}))
     for b in want:
         for _ in range(4):  # the largest batch is an estimate: step down while it does not run whole
@@ -355,10 +330,6 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             runs[f"{b}_not_whole"] = r
             b = largest = max(1, b - max(1, b // 50))
         runs[str(b)] = r
-        if a.ab_ahead and r.get("tokens_per_s"):
-            ab[str(b)] = ab_allocate_ahead(eng, [prompt(i, a.context, vocab) for i in range(b)], steps, proxy, sync,
-                                           a.ab_ahead, r)
-            out["ab_allocate_ahead"] = ab
         if partial is not None:
             partial({**out, "largest_batch": largest, "runs": dict(runs)})
         print(f"  {label:>12} batch {b:>3}: {r.get('median_step_ms', float('nan')):8.2f} ms/step "
@@ -430,9 +401,6 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=16384, help="SchedulerConfig.max_num_batched_tokens")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs for every backend (decode steps)")
-    ap.add_argument("--ab-ahead", type=int, default=0, metavar="REPS",
-                    help="after each batch's run, REPS runs each with SchedulerConfig.allocate_ahead off and on, "
-                         "alternated on the same engine (A/B of the page allocation overlapped with the step)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timed runs, profile this many decode steps (17 include a page step)")
     ap.add_argument("--profile-batch", default="smallest", help="batch to profile: smallest, largest or a number")

@@ -84,9 +84,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context window
-    # Take the page a sampling sequence needs for its next token while the device runs the current step, instead
-    # of in the next schedule() with the device idle (Scheduler.allocate_ahead).
-    allocate_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -178,8 +178,7 @@ class LLMEngine:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
             return restored
         t0 = time.perf_counter()
-        ahead = (lambda: self.scheduler.allocate_ahead(plan.batch)) if self.config.scheduler.allocate_ahead else None
-        tokens = self.runner.execute(plan.batch, [s.generator for s, _ in plan.batch], while_busy=ahead)
+        tokens = self.runner.execute(plan.batch, [s.generator for s, _ in plan.batch])
         dt = time.perf_counter() - t0
         if self.restorer is not None:
             self.restorer.observe_step(plan.batch, dt)

@@ -1,8 +1,6 @@
 """Owns the model and the paged KV tensors; turns one scheduled step into a forward pass and sampled tokens."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch.profiler import record_function
 
@@ -69,11 +67,8 @@ class ModelRunner:
         return layout, ids, positions
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[Sequence, int]], generators: list[torch.Generator | None],
-                while_busy: Callable[[], None] | None = None) -> list[int]:
-        """Run one step. Returns one sampled token per sequence whose chunk reaches its last token, in order.
-        ``while_busy`` runs once the step's device work is enqueued and before its tokens are read back (host
-        work that then overlaps the device; the engine's page allocation for the next step)."""
+    def execute(self, batch: list[tuple[Sequence, int]], generators: list[torch.Generator | None]) -> list[int]:
+        """Run one step. Returns one sampled token per sequence whose chunk reaches its last token, in order."""
         # named ranges: a profile (bench/zip_engine.py --profile-steps) shows where a step's host time goes
         with record_function("kvtide.layout"):
             layout, ids, positions = self.layout(batch)
@@ -103,9 +98,6 @@ class ModelRunner:
                                            seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
                 if not layout.is_decode_only:  # prefill chunks fill many pages: no staged copy held for a step
                     self.store.compress_finish()
-        if while_busy is not None:
-            with record_function("kvtide.while_busy"):
-                while_busy()
         if not sampling:
             return []
         return sample(logits, [batch[i][0].params for i in sampling], [generators[i] for i in sampling])

@@ -90,21 +90,6 @@ class Scheduler:
             budget -= n
         return plan
 
-    def allocate_ahead(self, batch: list[tuple[Sequence, int]]) -> None:
-        """Give each sequence of ``batch`` that samples this step the page its next token will need, if it needs one.
-
-        Called by the runner once the step's forward is enqueued and before its tokens are read back, so this host
-        work overlaps the device instead of following the sync: in lockstep decode every 16th step allocates a
-        page per sequence, and in a full compressed pool that also evicts cached pages (~10 ms at batch 65 with the
-        8B shape on the H200 host, all of it exposed when done in schedule()). Nothing the running step reads
-        changes: new pages are outside its block tables, and evicted pages belong to no running sequence. If the
-        pages do not fit, nothing is taken and the next schedule() grows or preempts as before; a sequence that
-        finishes instead releases its extra page with the rest."""
-        grow = [(seq, seq.num_computed_tokens + n + 1) for seq, n in batch
-                if seq.num_computed_tokens + n == seq.num_tokens]
-        if grow:
-            self.bm.allocate_all(grow)
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.release(seq)

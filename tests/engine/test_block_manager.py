@@ -98,29 +98,3 @@ def test_sequence_tokens_slices_prompt_and_output_as_token_ids_does():
     for start in range(8):
         for stop in range(start, 8):
             assert s.tokens(start, stop) == s.token_ids[start:stop]
-
-
-def test_allocate_ahead_gives_the_next_page_only_to_sequences_that_sample_at_a_page_end():
-    from kvtide.config import SchedulerConfig
-    from kvtide.engine.scheduler import Scheduler
-
-    store = CountingStore(pages=8)
-    bm = BlockManager(num_pages=8, page_size=2, store=store)
-    sched = Scheduler(SchedulerConfig(), bm)
-    at_end = seq("a", [1, 2, 3, 4])  # decoding position 3: its next token (position 4) starts a new page
-    mid_page = seq("b", [1, 2, 3])  # decoding position 2: its next token still fits its page
-    prefill = seq("c", [1, 2, 3, 4, 5, 6])  # a prefill chunk short of the prompt's end samples nothing
-    for s, computed in ((at_end, 3), (mid_page, 2), (prefill, 0)):
-        assert bm.allocate(s, computed + (1 if s is not prefill else 2))
-        s.num_computed_tokens = computed
-    before = {s.request_id: list(s.pages) for s in (at_end, mid_page, prefill)}
-    sched.allocate_ahead([(at_end, 1), (mid_page, 1), (prefill, 2)])
-    assert len(at_end.pages) == len(before["a"]) + 1 and bm.ref_count[at_end.pages[-1]] == 1
-    assert mid_page.pages == before["b"] and prefill.pages == before["c"]
-    at_end.num_computed_tokens, at_end.output_token_ids = 4, [9]  # the step ran and sampled a token
-    calls = len(store.alloc_calls)
-    assert bm.allocate_all([(at_end, 5)]) and len(store.alloc_calls) == calls, "schedule() finds the page taken"
-    store.left = 0  # a full store: nothing taken, nothing changed, no error (schedule() grows or preempts later)
-    mid_page.num_computed_tokens, mid_page.output_token_ids = 3, [9]
-    sched.allocate_ahead([(mid_page, 1)])
-    assert mid_page.pages == before["b"]
