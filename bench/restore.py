@@ -144,15 +144,17 @@ class Bench:
                 # queued for the decode-step probe below.
                 self.r.writer.flush()
         # Seconds per decode step at batch 1 (the last step includes the finish, whose chunks go to the writer),
-        # first with the writer still encoding the prefills' chunks, then with it idle: on the H200 the first read
-        # 4.5-6.4 s a step (unexplained; the trace's own decode steps averaged a few ms). The trail records when
-        # each token came and how far the writer had got by then, to tell a stalled step loop from a stalled writer.
+        # first with the writer still encoding the prefills' chunks, then with it idle. On the H200 the first read
+        # 4.5-6.4 s a step in earlier runs: the stack dumps below showed the step inside FlashInfer's JIT build of
+        # its decode module (the first decode plan of the process), not waiting on the writer, which sat idle
+        # having drained its backlog meanwhile. The backend now builds its modules when the engine is made. The
+        # trail records when each token came and how far the writer had got by then.
         self.writer_backlog_bytes = self.r.writer.queued_bytes
         w0 = self.r.writer.stats.bytes
         t0 = time.perf_counter()
         trail = []  # per token: (seconds since the request was added, bytes the writer has written since)
-        # Where a stalled step waits: every thread's stack, every 3 s while the probe runs (H200: the first decode
-        # step after the prefill arrived only once the writer had written its whole 2 GiB backlog, 20.6 s).
+        # Where a stalled step waits: every thread's stack, every 3 s while the probe runs (how the ~19 s stall
+        # above was found: the main thread in FlashInfer's ninja build, the writer thread idle).
         stacks = Path(self.a.out_dir) / "decode_probe_stacks.txt"
         stacks.parent.mkdir(parents=True, exist_ok=True)
         with open(stacks, "w") as dump:
@@ -607,12 +609,17 @@ def main(argv: list[str] | None = None) -> int:
                          "the same for every method")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the whole run (seconds; Python's default 0.005): a diagnostic "
+                         "for GIL hand-offs between the engine thread and the store writer")
     a = ap.parse_args(argv)
     if a.trace_reps < 1:
         ap.error(f"--trace-reps must be >= 1, got {a.trace_reps}")
     if a.per_entry_writes:  # the executor takes the grouped write only where the port offers it
         from kvtide.engine.restore_port import EnginePort
         EnginePort.write_kv_chunks = None  # type: ignore[assignment]
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     gpu = a.device.startswith("cuda")
     full = a.full
     d = {  # (cpu quick, cpu full, gpu quick, gpu full)

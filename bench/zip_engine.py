@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import env  # noqa: E402
 from kvtide import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from kvtide.engine import model_runner  # noqa: E402
 from kvtide.engine.attention import AttentionBackend, BatchLayout  # noqa: E402
 from kvtide.engine.llm_engine import LLMEngine  # noqa: E402
 from kvtide.models.loader import RANDOM_PRESETS  # noqa: E402
@@ -114,10 +115,28 @@ def page_events(eng: LLMEngine) -> tuple[int, int]:
 
 class HostClock:
     """Seconds the current step spends in the scheduler and in the store's compress (host time, device synced
-    inside compress only where it syncs itself): where page steps' extra time goes."""
+    inside compress only where it syncs itself): where page steps' extra time goes. Also the sampler's time,
+    which holds the step's one wait for the device: near zero there means the host, not the device, sets the
+    step time (host work added anywhere in the step then adds to it)."""
+
+    current: "HostClock | None" = None  # the sampler wrapper (installed once) books into the newest clock
 
     def __init__(self, eng: LLMEngine) -> None:
-        self.spent = {"schedule": 0.0, "compress": 0.0}
+        self.spent = {"schedule": 0.0, "compress": 0.0, "sample": 0.0}
+        HostClock.current = self
+        if not getattr(model_runner.sample, "_bench_timed", False):
+            fn = model_runner.sample
+
+            def timed_sample(*args, **kw):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    if HostClock.current is not None:
+                        HostClock.current.spent["sample"] += time.perf_counter() - t
+
+            timed_sample._bench_timed = True
+            model_runner.sample = timed_sample
         self._wrap(eng.scheduler, "schedule", "schedule")
         if eng.store is not None:  # both halves (store.compress calls them too, so nothing counts twice)
             self._wrap(eng.store, "compress_begin", "compress")
@@ -210,7 +229,7 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
         "untimed_first_decode_step": True,
         "page_steps": len(page_steps),
         "host_ms_mean": {kind: {part: statistics.mean(h[part] for paged, h in host if paged == want) * 1e3
-                                for part in ("schedule", "compress")}
+                                for part in ("schedule", "compress", "sample")}
                          for kind, want in (("page_steps", True), ("plain_steps", False))
                          if any(paged == want for paged, _ in host)},
         "page_step_median_ms": statistics.median(page_steps) * 1e3 if page_steps else None,

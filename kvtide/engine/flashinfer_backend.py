@@ -25,6 +25,18 @@ class FlashInferAttention(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD")
         self.wrapper = None
+        self.build_kernels()
+
+    def build_kernels(self) -> None:
+        """Plan a one-token decode and a two-token prefill now, so that FlashInfer builds (JIT, or loads from its
+        disk cache) the modules every later plan of this model's shape uses while the engine starts, not inside
+        the first step that needs them. On a fresh H200 host the first decode plan of a process compiled its
+        module for ~19 s; whichever request decoded first paid for it (bench/restore.py's batch-1 probe read it
+        as a 4.8 s/step stall and blamed the store writer, until its stack dumps showed ninja running)."""
+        dev = self.kv_caches[0].device
+        for n in (1, 2):  # 1: decode wrapper, 2: prefill wrapper (only page 0 is named; nothing is run)
+            self.plan(BatchLayout([n], [n], [[0]], torch.zeros(n, dtype=torch.long, device=dev), self.page_size))
+        self.wrapper = None
 
     def plan(self, layout: BatchLayout) -> None:
         p = layout.page_size
