@@ -67,6 +67,8 @@ class ZipFusedAttention(AttentionBackend):
             from ..kernels import zip_attention_cuda as kernel
 
             self._run = kernel.run
+            if store.device.type == "cuda":  # NVRTC now, while the engine starts, not in the first decode step
+                kernel.build(store.device, head_dim, store.format_version)
         else:
             from ..kernels import zip_attention as kernel
 

@@ -16,8 +16,9 @@ outputs and base-2 log-sum-exps; ``zip_merge`` combines them. Raw blocks (the pa
 format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is the
 format-free control.
 
-Compiled at first use by NVRTC (:mod:`kvtide.kernels.cuda_jit`); plan once per batch, run per layer. Torch
-reference: :mod:`kvtide.kernels.zip_attention_ref` with ``zip_order.to_natural``.
+Compiled by NVRTC (:mod:`kvtide.kernels.cuda_jit`) by :func:`build` (the engine's backend calls it when made), else
+at first use; plan once per batch, run per layer. Torch reference: :mod:`kvtide.kernels.zip_attention_ref` with
+``zip_order.to_natural``.
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: in
     cubin, _log = cuda_jit.compile_cubin(SOURCE.read_text(), "zip_decode", major * 10 + minor,
                                          dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks))
     return cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
+
+
+def build(device: torch.device | str | int, head_dim: int, version: int) -> None:
+    """Compile and load the kernels :func:`plan`'s default launch shape runs (cached per process), so that a
+    serving engine pays for NVRTC when it starts, not inside its first decode step (FlashInfer's first-use JIT
+    build was measured stalling a first decode step for ~19 s on the H200)."""
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    d = _DEFAULTS[head_dim]
+    kernels(dev.index if dev.index is not None else torch.cuda.current_device(), head_dim, version, d["warps"],
+            d["min_blocks"])
 
 
 @dataclass

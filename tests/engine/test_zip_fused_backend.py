@@ -136,3 +136,20 @@ def test_shape_limits_name_the_fix():
                             pool=torch.zeros(1 << 10, dtype=torch.uint8), geo=SimpleNamespace(value_order="token"))
     assert fused_unsupported(store, 4, 2, 32, 16) is None
     assert "head_dim" in fused_unsupported(store, 4, 2, 96, 16)
+
+
+def test_cuda_kernel_is_built_when_the_backend_is_made(monkeypatch):
+    """Over a CUDA store in the 'mma' order the backend compiles the kernel plan() launches by default at
+    construction (NVRTC), not in the first decode step; over a CPU store it builds nothing."""
+    from kvtide.engine.zip_fused_backend import ZipFusedAttention
+    from kvtide.kernels import zip_attention_cuda as zc
+
+    built = []
+    monkeypatch.setattr(zc, "kernels", lambda *a: built.append(a))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    geo = SimpleNamespace(value_order="mma")
+    for device in ("cpu", "cuda"):
+        store = SimpleNamespace(geo=geo, device=torch.device(device), format_version=2)
+        ZipFusedAttention(store, 32, 8, 128, fallback=None)
+    d = zc._DEFAULTS[128]
+    assert built == [(0, 128, 2, d["warps"], d["min_blocks"])]
