@@ -86,11 +86,10 @@ def _filled(n_chunks: int = 4, layers: int = 4) -> tuple[MemoryStore, torch.Tens
     return inner, kv
 
 
-def test_fetch_books_the_link_without_waiting_and_pipelines() -> None:
-    """Processing one batch while the next crosses the link: total ~ max(link, work) per batch, not their sum."""
+def _pipelined_run(work: float) -> tuple[float, float]:
+    """Four batches, each fetched while the one before is worked on; (wall seconds, link seconds)."""
     inner, kv = _filled()
     link = BandwidthLimitedStore(inner, TokenBucket(8e6))  # one layer (4 entries, ~263 KB) ~ 33 ms
-    work = 0.03  # seconds of verify/place per batch, about one batch's link time
     batches = [[(k, layer) for k in KEYS] for layer in range(4)]
     t = time.perf_counter()
     f = link.fetch(batches[0])
@@ -102,7 +101,19 @@ def test_fetch_books_the_link_without_waiting_and_pipelines() -> None:
             assert torch.equal(link.open(blob, k, layer, TOKENS[16 * k.index : 16 * k.index + 16]).tensor, kv)
         time.sleep(work)
         f = g
-    dt = time.perf_counter() - t
-    link_s = link.bucket.bytes_total / 8e6
-    assert dt < link_s + 2 * work  # pipelined: ~ link + one batch of work (serial would be link + 4 * work)
-    assert dt >= 0.95 * link_s
+    return time.perf_counter() - t, link.bucket.bytes_total / 8e6
+
+
+def test_fetch_books_the_link_without_waiting_and_pipelines() -> None:
+    """Processing one batch while the next crosses the link: total ~ max(link, work) per batch, not their sum.
+    A wall-clock check, so up to three tries: a machine busy with other work can stretch one run past the
+    bound (seen once on the 2-core box with a second job running), which a serial fetch would miss every time."""
+    work = 0.03  # seconds of verify/place per batch, about one batch's link time
+    runs = []
+    for _ in range(3):
+        dt, link_s = _pipelined_run(work)
+        assert dt >= 0.95 * link_s  # the link's rate holds
+        runs.append(dt)
+        if dt < link_s + 2 * work:  # pipelined: ~ link + one batch of work (serial would be link + 4 * work)
+            break
+    assert min(runs) < link_s + 2 * work, runs
