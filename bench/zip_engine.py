@@ -4,7 +4,8 @@ uncompressed FlashInfer (compress=False) under ONE KV byte budget, plus decompre
 Model: Llama-3.1-8B shape (`random:llama3-8b`, RANDOM weights, bf16). Each sequence: an 8192-token prefix,
 prefilled (and, with compress=True, compressed) before timing, then one untimed decode step (CUDA graph capture,
 JIT) and 255 timed ones; tokens/s = batch * steps / (sum of the step times). Steps that allocate or compress pages
-are reported apart, with the host time spent in the scheduler and in compress. The JSON is rewritten after every
+are reported apart, with the host time spent in the scheduler and in compress, and the sampler's time (the step's
+one wait for the device: near zero, the step is host-bound). The JSON is rewritten after every
 batch ("complete": false until the end), so a run cut short by a time limit keeps what it measured. Batches 16, 32, 48 and each backend's largest batch under the budget:
 the uncompressed one from its page count, zip's from the measured size of its compressed prefixes.
 
