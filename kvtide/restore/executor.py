@@ -11,9 +11,9 @@ max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1):
   layer's bytes at 40-80 Gbps; sharing batches cuts their number, but a layer is then signalled only once the
   batch holding its last entry is placed, and the last batch's verify is not hidden behind link time. On the CPU
   (``bench/restore_fetches.py``, ``restore_fetches_cpu.json``) 4 layers a batch moved median TTFT by -18% to +15%
-  with link and method, no clear gain: the default stays 1 until an H200 run of that bench decides.
-  The next batch is fetched before
-  this one is verified and placed (``read_ahead``), so the link keeps moving bytes while the CPU checks them.
+  with link and method, no clear gain: the default stays 1 until an H200 run of that bench decides. The next
+  batch is fetched before this one is verified and placed (``read_ahead``), so the link keeps moving bytes while
+  the CPU checks them.
   Each entry is verified by the store (checksum, length, token ids) without a copy, checked for shape, and copied
   once into the request's pages of that layer (whole pages: loads are chunk-aligned). On CUDA the entries of a
   batch go into a pinned staging buffer (torch's caching host allocator hands a block out again only after its
