@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import gzip
 import json
 import math
 import os
@@ -241,9 +242,11 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
     }
 
 
-def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | None, sync) -> dict:
+def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | None, sync,
+                   trace: Path | None = None) -> dict:
     """torch.profiler over `steps` whole-batch decode steps (after the timed runs): where a step's time goes
-    on the host (self CPU time per op) and on the device (CUDA time per kernel)."""
+    on the host (self CPU time per op) and on the device (CUDA time per kernel). ``trace``: also write the
+    timeline (Chrome trace, gzipped), where a page step's host ops and device waits can be read one by one."""
     from torch.profiler import ProfilerActivity, profile
 
     warm(eng, prompts, proxy, sync)
@@ -261,11 +264,20 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync()
     t0 = time.perf_counter()
+    walls = []
     with profile(activities=acts) as prof:
         for _ in range(steps):
+            t1 = time.perf_counter()
             eng.step()
+            walls.append((time.perf_counter() - t1) * 1e3)
         sync()
     wall = time.perf_counter() - t0
+    if trace is not None:
+        raw = trace.with_suffix("")  # export_chrome_trace writes plain JSON; gzip it beside
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(trace, "wb") as g:
+            g.write(f.read())
+        raw.unlink()
     drain(eng, None, sync, -1)
     ev = prof.key_averages()
 
@@ -280,6 +292,7 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
             ranges[e.key] = max(ranges.get(e.key, 0.0), e.cpu_time_total / 1e3 / steps)
     busy = sum((getattr(e, "self_device_time_total", 0) or 0) for e in ev) / 1e3 / steps
     return {"batch": len(prompts), "steps": steps, "wall_ms_per_step_profiled": wall / steps * 1e3,
+            "step_wall_ms_profiled": walls,
             "device_busy_ms_per_step": busy, "host_ms_per_step_by_phase": ranges,
             "top_self_cpu": top("self_cpu_time_total"), "top_device": top("self_device_time_total")}
 
@@ -362,8 +375,10 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
     out["runs"] = runs
     if a.profile_steps:
         pb = {"smallest": min(want), "largest": largest}.get(a.profile_batch) or int(a.profile_batch)
+        trace = (a.profile_trace.with_name(f"{a.profile_trace.name.removesuffix('.json.gz')}_{label.strip()}.json.gz")
+                 if a.profile_trace else None)
         out["profile"] = profile_decode(eng, [prompt(i, a.context, vocab) for i in range(pb)], a.profile_steps, proxy,
-                                        sync)
+                                        sync, trace)
         print(f"  {label:>12} profile (batch {pb}): {out['profile']['wall_ms_per_step_profiled']:.1f} ms/step, device "
               f"busy {out['profile']['device_busy_ms_per_step']:.1f}; top kernels "
               f"{[(r['name'][:40], round(r['device_ms'] / a.profile_steps, 2)) for r in out['profile']['top_device'][:8]]}; phases "
@@ -424,6 +439,8 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timed runs, profile this many decode steps (17 include a page step)")
     ap.add_argument("--profile-batch", default="smallest", help="batch to profile: smallest, largest or a number")
+    ap.add_argument("--profile-trace", type=Path, default=None,
+                    help="with --profile-steps: also write each backend's timeline as <stem>_<backend>.json.gz")
     ap.add_argument("--only", default="baseline,zip,decompress",
                     help="which of baseline, zip, decompress to run (comma list; ratios need baseline and zip)")
     ap.add_argument("--zip-options", default=None,

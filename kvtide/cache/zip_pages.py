@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from . import zipblocks as zb
 from . import zip_order
@@ -187,6 +188,10 @@ class ZipPagedKV:
         """Give each page raw slots in every layer; the caller checked ``free_pages(reserve=False)``."""
         if not pids:
             return
+        with record_function("kvtide.zip_alloc_pages"):  # a profile's name for this host work
+            self._alloc_pages(pids)
+
+    def _alloc_pages(self, pids: list[int]) -> None:
         g = self.geo
         n = len(pids) * g.groups_per_page
         taken = [self.alloc.alloc(layer, 0, n) for layer in range(g.num_layers)]
@@ -209,6 +214,10 @@ class ZipPagedKV:
         """Free every byte the pages hold, in all layers."""
         if not pids:
             return
+        with record_function("kvtide.zip_release_pages"):
+            self._release_pages(pids)
+
+    def _release_pages(self, pids: list[int]) -> None:
         state = self.state[pids]
         assert (state != ABSENT).all(), "releasing a page that holds no storage"
         comp = np.asarray(pids)[state == COMPRESSED]
@@ -291,7 +300,8 @@ class ZipPagedKV:
         pending, self._pending = self._pending, []
         for job in pending:
             if job.event is not None:
-                job.event.synchronize()  # normally long done: the step that began it has synced since
+                with record_function("kvtide.zip_compress_wait"):
+                    job.event.synchronize()  # normally long done: the step that began it has synced since
             live = [i for i, p in enumerate(job.pids)
                     if self.state[p] == RAW and self._generation[p] == job.generations[i]]
             if not live:
@@ -307,16 +317,18 @@ class ZipPagedKV:
         bsz = g.block_size
         old_h = self._starts_host[:, pids]
         new_h = old_h.copy()
-        for layer in range(g.num_layers):
-            self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1), new_h[layer].reshape(-1))
+        with record_function("kvtide.zip_place"):
+            for layer in range(g.num_layers):
+                self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1), new_h[layer].reshape(-1))
         new = self._to_device(new_h)
         packed = np.flatnonzero(cls.reshape(-1) > 0)  # groups stored compressed, in [L, n, H, 2] order
         if packed.size:
-            self._check_starts(new_h.reshape(-1)[packed], cls.reshape(-1)[packed])
-            sel = self._to_device(packed)  # an index, not a mask: a mask costs a host sync (nonzero) per use
-            pdesc = desc.reshape(-1, g.blocks_per_group).index_select(0, sel)  # [m, nb]
-            offsets = zb.offsets_from_starts(new.reshape(-1).index_select(0, sel), pdesc, bsz)
-            self._pack(src.reshape(-1, g.group_values).index_select(0, sel).reshape(-1, bsz), pdesc, offsets)
+            with record_function("kvtide.zip_pack"):
+                self._check_starts(new_h.reshape(-1)[packed], cls.reshape(-1)[packed])
+                sel = self._to_device(packed)  # an index, not a mask: a mask costs a host sync (nonzero) per use
+                pdesc = desc.reshape(-1, g.blocks_per_group).index_select(0, sel)  # [m, nb]
+                offsets = zb.offsets_from_starts(new.reshape(-1).index_select(0, sel), pdesc, bsz)
+                self._pack(src.reshape(-1, g.group_values).index_select(0, sel).reshape(-1, bsz), pdesc, offsets)
         idx = self._to_device(np.asarray(pids, dtype=np.int64))
         self.group_start_all[:, idx] = new
         self.group_desc_all[:, idx] = desc

@@ -142,21 +142,19 @@ class TorchAttention(AttentionBackend):
 
 def make_backend(name: str, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int) -> AttentionBackend:
+    from .flashinfer_backend import flashinfer_unsupported
+
     device = kv_caches[0].device
     if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                import flashinfer  # noqa: F401
-
-                name = "flashinfer"
-            except ImportError:
-                pass
+        name = "flashinfer" if device.type == "cuda" and flashinfer_unsupported(head_dim) is None else "torch"
     if name == "torch":
         return TorchAttention(kv_caches, num_heads, head_dim)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
+        why = flashinfer_unsupported(head_dim)
+        if why is not None:
+            raise ValueError(f"attention backend 'flashinfer': {why}; choose auto or torch")
         from .flashinfer_backend import FlashInferAttention
 
         return FlashInferAttention(kv_caches, num_heads, num_kv_heads, head_dim, page_size)

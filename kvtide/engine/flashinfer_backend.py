@@ -8,6 +8,20 @@ from ..kernels.paged_attention_ref import write_kv
 from .attention import AttentionBackend, BatchLayout
 
 WORKSPACE_BYTES = 256 << 20
+HEAD_DIMS = (64, 128, 256)  # the head dims FlashInfer 0.6.12 serves here (see flashinfer_unsupported)
+
+
+def flashinfer_unsupported(head_dim: int) -> str | None:
+    """Why this backend cannot serve a model (None when it can): flashinfer missing, or a head_dim its prefill kernels
+    lack. Measured on the H200: at head_dim 32 the FA3 build that "auto" picks on sm90 fails a static_assert, and FA2
+    refuses its tile configuration at run time, so the engine picks torch attention there instead."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return "the flashinfer package is not installed"
+    if head_dim not in HEAD_DIMS:
+        return f"FlashInfer's prefill kernels take head_dim {'/'.join(map(str, HEAD_DIMS))}, this model's is {head_dim}"
+    return None
 
 
 class FlashInferAttention(AttentionBackend):

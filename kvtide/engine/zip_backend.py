@@ -54,12 +54,10 @@ class DecompressThenAttend(AttentionBackend):
         return self.inner(0, q, k, v)  # its own write of k, v into the scratch stores the same bits again
 
 
-def _has_flashinfer() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _flashinfer_serves(store: ZipPagedKV, head_dim: int) -> bool:
+    from .flashinfer_backend import flashinfer_unsupported
+
+    return store.device.type == "cuda" and flashinfer_unsupported(head_dim) is None
 
 
 def make_zip_backend(name: str, store: ZipPagedKV, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -75,17 +73,21 @@ def make_zip_backend(name: str, store: ZipPagedKV, num_heads: int, num_kv_heads:
         if name == "zip" and why is not None:
             raise ValueError(why)
         if name == "zip" or (store.device.type == "cuda" and why is None):
-            fallback = make_zip_backend("flashinfer" if store.device.type == "cuda" and _has_flashinfer() else "torch",
+            fallback = make_zip_backend("flashinfer" if _flashinfer_serves(store, head_dim) else "torch",
                                         store, num_heads, num_kv_heads, head_dim, page_size)
             return ZipFusedAttention(store, num_heads, num_kv_heads, head_dim, fallback)
-        name = "flashinfer" if store.device.type == "cuda" and _has_flashinfer() else "torch"
+        name = "flashinfer" if _flashinfer_serves(store, head_dim) else "torch"
     scratch = [torch.zeros(1, 2, page_size, num_kv_heads, head_dim, dtype=torch.bfloat16, device=store.device)]
     if name == "torch":
         return DecompressThenAttend(store, TorchAttention(scratch, num_heads, head_dim))
     if name == "flashinfer":
+        from .flashinfer_backend import FlashInferAttention, flashinfer_unsupported
+
         if store.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        from .flashinfer_backend import FlashInferAttention
+        why = flashinfer_unsupported(head_dim)
+        if why is not None:
+            raise ValueError(f"attention backend 'flashinfer': {why}; choose auto, zip or torch")
 
         return DecompressThenAttend(store, FlashInferAttention(scratch, num_heads, num_kv_heads, head_dim, page_size))
     raise ValueError(f"unknown attention backend '{name}' for the compressed cache (choose auto, zip, torch or flashinfer)")

@@ -32,3 +32,15 @@ def test_kernels_are_built_when_the_backend_is_made_not_in_the_first_step(monkey
     assert fi.decode.plans[0][1].tolist() == [0] and fi.wrapper is None  # one page named, nothing left planned
     fi.plan(BatchLayout([1, 1], [17, 3], [[1, 2], [3]], torch.tensor([32, 50]), 16))
     assert len(fi.decode.plans) == 2 and fi.wrapper is fi.decode
+
+
+def test_models_whose_head_dim_flashinfer_lacks_get_torch_attention(monkeypatch):
+    """FlashInfer 0.6.12 has no working prefill at head_dim 32 on the H200 (FA3 fails to build, FA2 refuses the
+    tile configuration): such models get torch attention under 'auto', and a clear error when 'flashinfer' is asked."""
+    from kvtide.engine.flashinfer_backend import flashinfer_unsupported
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace())
+    assert flashinfer_unsupported(64) is None and flashinfer_unsupported(128) is None
+    assert "head_dim 64/128/256" in flashinfer_unsupported(32)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails
+    assert "not installed" in flashinfer_unsupported(128)

@@ -90,9 +90,35 @@ def test_plan_refuses_what_the_kernel_cannot_do() -> None:
         zc.plan(one, one[:1], last, 8, 2, 96, device="cpu")
     with pytest.raises(ValueError, match="page_size 16"):
         zc.plan(one, one[:1], last, 8, 2, 128, 8, device="cpu")
+    with pytest.raises(ValueError, match="load_hint"):
+        zc.plan(one, one[:1], last, 8, 2, 128, load_hint=len(zc.LOAD_HINTS), device="cpu")
     p = zc.plan(torch.tensor([0, 40], dtype=torch.int32), torch.arange(40, dtype=torch.int32), last, 8, 2, 128,
-                num_splits=3, device="cpu")
-    assert p.num_splits == 3 and p.pages_per_split == 14 and p.opart.shape == (1, 8, 3, 128)
+                num_splits=3, cta_merge=False, device="cpu")
+    assert p.num_splits == 3 and p.pages_per_split == 14 and p.opart.shape == (1, 8, 3, 128) and not p.cta_merge
+
+
+def test_plan_merges_splits_in_a_cta_when_it_costs_no_wave() -> None:
+    """Split partials merged on chip: one CTA of ``num_splits`` warps per (sequence, KV head), as many CTAs per SM
+    as keep the requested warps per SM, no global partials; kept out where it would add a wave or overflow."""
+    def mk(batch: int, pages: int, **kw) -> zc.CudaDecodePlan:
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+        return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
+                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
+
+    p = mk(32, 128)  # the 2048 x 32 bench shape: 6 splits under the wave model
+    assert p.num_splits == 6 and p.cta_merge and (p.warps, p.min_blocks) == (6, 2) and p.opart is None
+    p = mk(64, 512)  # 8192 x 64: 3 splits, CTAs of 3 warps, 4 per SM (12 warps per SM as requested)
+    assert p.num_splits == 3 and p.cta_merge and (p.warps, p.min_blocks) == (3, 4)
+    p = mk(32, 128, cta_merge=False)
+    assert not p.cta_merge and (p.warps, p.min_blocks) == (4, 3) and p.opart.shape == (32, 32, 6, 128)
+    p = mk(1, 2048)  # one long sequence: more splits than a CTA merges
+    assert p.num_splits > zc.max_cta_splits(128) and not p.cta_merge and p.opart is not None
+    p = mk(8, 16, num_splits=1)  # nothing to merge
+    assert not p.cta_merge and p.opart is None
+    p = mk(100, 64, num_splits=5)  # 500 units: CTAs of 5 warps fit 2 per SM (264 at once), two waves instead of one
+    assert not p.cta_merge
+    assert zc.default_launches(128)[0] == (4, 3, False)
+    assert {(w, c) for w, _, c in zc.default_launches(128)[1:]} == {(s, True) for s in range(2, 12)}
 
 
 def _pages(n: int, hkv: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -222,8 +248,9 @@ needs_cuda = pytest.mark.skipif(zc.unsupported() is not None, reason=str(zc.unsu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("splits", [1, 3, None])
-def test_kernel_matches_float64_reference(head_dim: int, group: int, version: int, splits: int | None) -> None:
+@pytest.mark.parametrize("splits,cta_merge", [(1, True), (3, False), (3, True), (None, True)])
+def test_kernel_matches_float64_reference(head_dim: int, group: int, version: int, splits: int | None,
+                                          cta_merge: bool) -> None:
     gen = torch.Generator().manual_seed(head_dim + group + version)
     hkv, lens = 2, [1, 15, 16, 17, 200, 777]
     npg = [(x + 15) // 16 for x in lens]
@@ -235,7 +262,9 @@ def test_kernel_matches_float64_reference(head_dim: int, group: int, version: in
     last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
     ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
-    p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, num_splits=splits, device="cuda")
+    p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, num_splits=splits,
+                cta_merge=cta_merge, device="cuda")
+    assert p.cta_merge == (cta_merge and p.num_splits > 1)
     out = torch.full_like(q, float("nan"))
     zc.run(p, q, pool, starts, desc, out=out, check=True)
     assert not out.isnan().any()
@@ -243,6 +272,25 @@ def test_kernel_matches_float64_reference(head_dim: int, group: int, version: in
     assert err < 1e-2, err
     raw = zc.run(p, q, *zc.raw_pool(groups.contiguous()))  # the format-free control: same kernel, same answer
     assert float((raw.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("load_hint", sorted(set(zc.LOAD_HINTS) - {0}))
+def test_load_hints_change_no_output_bit(load_hint: int) -> None:
+    """Cache hints on the KV loads are a launch option (bench/zip_attention.py --load-hints): same bits out."""
+    gen = torch.Generator().manual_seed(load_hint)
+    hkv, group, lens = 2, 4, [5, 300, 777]
+    npg = [(x + 15) // 16 for x in lens]
+    kv = _pages(sum(npg), hkv, 128, gen).cuda()
+    pool, starts, desc, _ = _mma_pool(kv, 1)
+    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
+    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
+    idx = torch.arange(sum(npg), dtype=torch.int32).cuda()
+    q = torch.randn(len(lens), hkv * group, 128, generator=gen).bfloat16().cuda()
+    outs = [zc.run(zc.plan(indptr, idx, last, hkv * group, hkv, 128, num_splits=3, load_hint=h, device="cuda"), q,
+                   pool, starts, desc) for h in (0, load_hint)]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_run_refuses_a_pool_beyond_the_kernels_reach(monkeypatch) -> None:

@@ -1,6 +1,6 @@
 // ZipFusion paged decode attention over compressed pages, CUDA (sm_80+). Design notes, the Python side and the
 // launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
-// Compiled at first use by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS; needs no header.
+// Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE); no header.
 //
 // One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
 // consecutive such units):
@@ -25,14 +25,51 @@ typedef unsigned long long u64;
 #error "HEAD_DIM must be 64 or 128"
 #endif
 
+// Cache hints on the KV loads (LOAD_HINT, a launch option measured by bench/zip_attention.py --load-hints):
+// 0 none; 1 no L1 allocation (every byte is read once); 2 that plus 256-byte L2 prefetch; 3 no L1 allocation and
+// an L2 evict-first policy (streamed KV should not push out what other kernels of the step reuse).
+#ifndef LOAD_HINT
+#define LOAD_HINT 0
+#endif
+// CTA_MERGE 1: a CTA's NWARPS warps are the NWARPS splits of one (sequence, KV head) and merge their partial outputs
+// in shared memory at the end (no partials in global memory, no zip_merge launch).
+#ifndef CTA_MERGE
+#define CTA_MERGE 0
+#endif
+#if LOAD_HINT == 1
+#define LDG_Q ".L1::no_allocate"
+#elif LOAD_HINT == 2
+#define LDG_Q ".L1::no_allocate.L2::256B"
+#elif LOAD_HINT == 3
+#define LDG_Q ".L1::no_allocate.L2::cache_hint"
+#else
+#define LDG_Q ""
+#endif
+
+#if LOAD_HINT == 3
+__device__ __forceinline__ u64 evict_first_policy() {
+  u64 pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
 __device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc" LDG_Q ".v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(w[o]), "=r"(w[o + 1]), "=r"(w[o + 2]), "=r"(w[o + 3]) : "l"(p), "l"(evict_first_policy()));
+}
+
+__device__ __forceinline__ void ldg64(const u8* p, u32 (&w)[8], int o) {
+  asm("ld.global.nc" LDG_Q ".v2.u32 {%0,%1}, [%2], %3;" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p), "l"(evict_first_policy()));
+}
+#else
+__device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
+  asm("ld.global.nc" LDG_Q ".v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(w[o]), "=r"(w[o + 1]), "=r"(w[o + 2]), "=r"(w[o + 3]) : "l"(p));
 }
 
 __device__ __forceinline__ void ldg64(const u8* p, u32 (&w)[8], int o) {
-  asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p));
+  asm("ld.global.nc" LDG_Q ".v2.u32 {%0,%1}, [%2];" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p));
 }
+#endif
 
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -157,12 +194,16 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
   // warps of a CTA take consecutive (sequence, KV head, split) units, splits innermost: none idles
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
+#if !CTA_MERGE  // with CTA_MERGE the grid is exact and every warp must reach the CTA's barrier
   if (unit >= batch * hkv * num_splits) return;
+#endif
   const int split = unit % num_splits, h = (unit / num_splits) % hkv, b = unit / (num_splits * hkv);
   const int kv_len = kv_lens[b];
   const int p0 = split * pages_per_split;
   const int n = min((kv_len + 15) / 16 - p0, pages_per_split);
+#if !CTA_MERGE
   if (n <= 0) return;  // a split past this sequence's end: the merge reads only splits that hold tokens
+#endif
   const int g = lane >> 2, t = lane & 3;
   const int hq_total = hkv * group;
   const long long row0 = (long long)b * hq_total + (long long)h * group;
@@ -270,8 +311,47 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
     l0 += __shfl_xor_sync(FULL, l0, off);
     l1 += __shfl_xor_sync(FULL, l1, off);
   }
-  const float i0 = 1.f / l0, i1 = 1.f / l1;
   const int hd0 = 2 * t, hd1 = 2 * t + 1;
+#if CTA_MERGE
+  {
+    // Partials of this CTA's splits in shared memory, then each output value merged over them (log-sum-exp, as
+    // zip_merge does); a split past the sequence's end (n <= 0) weighs nothing.
+    __shared__ float s_o[NWARPS][8][D];
+    __shared__ float s_lse[NWARPS][8];
+    const int w = threadIdx.x >> 5;
+    const bool has = n > 0;
+    const float i0 = has ? 1.f / l0 : 0.f, i1 = has ? 1.f / l1 : 0.f;
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+      const int dim = 16 * i + g;
+      s_o[w][hd0][dim] = o[i][0] * i0;
+      s_o[w][hd0][dim + 8] = o[i][2] * i0;
+      s_o[w][hd1][dim] = o[i][1] * i1;
+      s_o[w][hd1][dim + 8] = o[i][3] * i1;
+    }
+    if (g == 0) {
+      s_lse[w][hd0] = has ? m0 + __log2f(l0) : NEG_INF;
+      s_lse[w][hd1] = has ? m1 + __log2f(l1) : NEG_INF;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * D; idx += NWARPS * 32) {
+      const int hd = idx / D, dim = idx % D;
+      float mx = NEG_INF;
+#pragma unroll
+      for (int sp = 0; sp < NWARPS; ++sp) mx = fmaxf(mx, s_lse[sp][hd]);
+      float sum = 0.f, acc = 0.f;
+#pragma unroll
+      for (int sp = 0; sp < NWARPS; ++sp) {
+        const float wgt = ex2(s_lse[sp][hd] - mx);  // 2^-inf = 0 for an empty split
+        sum += wgt;
+        acc += wgt * s_o[sp][hd][dim];
+      }
+      out[(row0 + hd) * D + dim] = to_bf16(acc / sum);
+    }
+    return;
+  }
+#endif
+  const float i0 = 1.f / l0, i1 = 1.f / l1;
   if (num_splits == 1) {
 #pragma unroll
     for (int i = 0; i < KS; ++i) {
