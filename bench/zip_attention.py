@@ -281,7 +281,7 @@ def main() -> None:
     ap.add_argument("--tune-rep", type=int, default=25)
     ap.add_argument("--skip-triton", action="store_true", help="time only FlashInfer and the CUDA kernel")
     ap.add_argument("--load-hints", type=int, nargs="*", default=[],
-                    help="also time the CUDA kernel's best launch shape with these LOAD_HINT values (see zc.LOAD_HINTS)")
+                    help="also time the CUDA kernel's best launch shape with these LOAD_HINT values (zc.LOAD_HINTS)")
     ap.add_argument("--breakdown", action="store_true",
                     help="device time per kernel of FlashInfer and the best kernels (torch.profiler, clean flush)")
     ap.add_argument("--clean-flush", action="store_true",

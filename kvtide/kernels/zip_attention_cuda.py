@@ -13,10 +13,10 @@ lazy rescale (the running max moves only when it grows by more than 2^8), P^T th
 B operand, O^T += V^T P^T. The next page's loads are issued as soon as this page's buffer is consumed; page
 metadata comes 32 pages at a time (one page per lane, broadcast by shuffles). A split sequence gets one CTA whose
 warps are its splits (``plan(cta_merge=True)``, the default where it adds no wave): they merge their normalised
-partial outputs and base-2 log-sum-exps in shared memory, 4-5 us less per call on the H200 than writing them out for
-the ``zip_merge`` launch, which remains for more splits than a CTA holds. Raw blocks (the page being written, blocks the
-format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is the
-format-free control.
+partial outputs and base-2 log-sum-exps in shared memory, 4-5 us less per call on the H200 than writing them out
+for the ``zip_merge`` launch, which remains for more splits than a CTA holds. Raw blocks (the page being written,
+blocks the format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is
+the format-free control.
 
 Compiled by NVRTC (:mod:`kvtide.kernels.cuda_jit`) by :func:`build` (the engine's backend calls it when made), else
 at first use; plan once per batch, run per layer. Torch reference: :mod:`kvtide.kernels.zip_attention_ref` with
@@ -171,7 +171,10 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
 
     ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
     (``min_blocks`` CTAs of ``warps`` warps per SM); with ``waves`` set, enough splits for B * Hkv * splits warps to
-    fill that many waves, at least 8 pages per split."""
+    fill that many waves, at least 8 pages per split. ``cta_merge``: where a sequence is split into 2 to
+    :func:`max_cta_splits` parts and CTAs of that many warps need no more waves than the requested shape, launch
+    those instead and merge on chip (the plan's ``warps``/``min_blocks`` are then the CTA's). ``load_hint``: cache
+    hints on the KV loads (:data:`LOAD_HINTS`; measured no faster on the H200, so 0)."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
                          f"(need 1..{MAX_GROUP})")
