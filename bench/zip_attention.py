@@ -335,12 +335,15 @@ def main() -> None:
                        zip_bytes=zip_bytes, bytes_ratio=zip_bytes / raw_bytes)
             row["flashinfer_rel_err"] = float((o_fi[:nref].double() - ref).norm() / ref.norm())
             best = {}
+
+            def cplan(**opts) -> zc.CudaDecodePlan:  # the CUDA kernel's plan of this batch, launch options as given
+                return zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+
             for kind, (cp, cs, cd) in cuda_in.items():  # the CUDA kernel over the mma-ordered pool, and all-raw
                 row[kind] = tune_cuda(cp, cs, cd, q, indptr, indices, last, ref, o_fi, nref, args, dev)
                 if "us" in row[kind]:
                     opts = row[kind]["options"]
-                    cplan = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
-                    best[kind] = lambda p=cplan, cp=cp, cs=cs, cd=cd: zc.run(p, q, cp, cs, cd)  # noqa: E731
+                    best[kind] = lambda p=cplan(**opts), cp=cp, cs=cs, cd=cd: zc.run(p, q, cp, cs, cd)  # noqa: E731
             cdsc = cuda_in["cuda_zip"][2][used]
             cuda_bytes = int(zb.block_sizes(cdsc.view(used.numel(), -1), BLOCK).sum()) + \
                 used.numel() * HKV * 2 * (8 + cdsc.shape[-1])
@@ -398,12 +401,10 @@ def main() -> None:
                 if "options" not in row.get(kind, {}):
                     continue
                 cp, cs, cd = cuda_in[kind]
-                base_out = zc.run(zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev,
-                                          **row[kind]["options"]), q, cp, cs, cd)
+                base_out = zc.run(cplan(**row[kind]["options"]), q, cp, cs, cd)
                 row[kind]["load_hints"] = {}
                 for hint in args.load_hints:
-                    hp = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev,
-                                 load_hint=hint, **row[kind]["options"])
+                    hp = cplan(load_hint=hint, **row[kind]["options"])
                     hfn = lambda hp=hp, cp=cp, cs=cs, cd=cd: zc.run(hp, q, cp, cs, cd)  # noqa: E731
                     same = bool(torch.equal(hfn(), base_out))  # a hint changes no arithmetic: bit-equal output
                     h = dict(hint=zc.LOAD_HINTS[hint], bit_equal_to_no_hint=same, us=bench(hfn, args.rep))
@@ -433,7 +434,7 @@ def main() -> None:
                 cp, cs, cd = cuda_in[kind]
                 ab = {}
                 for c, opts in bm.items():
-                    cpl = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+                    cpl = cplan(**opts)
                     afn = lambda cpl=cpl, cp=cp, cs=cs, cd=cd: zc.run(cpl, q, cp, cs, cd)  # noqa: E731
                     ab[c] = dict(options=opts, us=bench(afn, args.rep))
                     if args.clean_flush:

@@ -112,7 +112,13 @@ def default_launches(head_dim: int) -> list[tuple[int, int, bool]]:
     and one CTA-merge variant per split count it can merge in a CTA."""
     d = _DEFAULTS[head_dim]
     return [(d["warps"], d["min_blocks"], False)] + [
-        (s, max(1, d["warps"] * d["min_blocks"] // s), True) for s in range(2, max_cta_splits(head_dim) + 1)]
+        (s, cta_blocks(d["warps"], d["min_blocks"], s), True) for s in range(2, max_cta_splits(head_dim) + 1)]
+
+
+def cta_blocks(warps: int, min_blocks: int, splits: int) -> int:
+    """CTAs of ``splits`` warps per SM that keep the ``warps`` x ``min_blocks`` warps per SM a launch shape asks for
+    (the CTA merge's register budget; :func:`plan` and :func:`default_launches` must agree on it)."""
+    return max(1, warps * min_blocks // splits)
 
 
 def build(device: torch.device | str | int, head_dim: int, version: int) -> None:
@@ -210,10 +216,10 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     if cta_merge and 2 <= num_splits <= max_cta_splits(head_dim):
         # CTAs of num_splits warps, as many per SM as keep the requested warps per SM: used when that needs no
         # more waves than the requested shape (a CTA's splits then run side by side and merge on chip)
-        cta_blocks = max(1, warps * min_blocks // num_splits)
+        per_sm = cta_blocks(warps, min_blocks, num_splits)
         units = batch * num_kv_heads
-        if math.ceil(units / (sms * cta_blocks)) <= math.ceil(units * num_splits / (sms * warps * min_blocks)):
-            merge_in_cta, warps, min_blocks = True, num_splits, cta_blocks
+        if math.ceil(units / (sms * per_sm)) <= math.ceil(units * num_splits / (sms * warps * min_blocks)):
+            merge_in_cta, warps, min_blocks = True, num_splits, per_sm
     p = CudaDecodePlan(
         indptr=seqs.indptr.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
         kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
