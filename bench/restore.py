@@ -92,6 +92,19 @@ class Bench:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    def capture_layer_graphs(self) -> float:
+        """Capture the restore port's layer graphs (every row bucket) before anything is timed; seconds taken."""
+        lg = self.eng.runner.layer_graphs
+        if lg is None:
+            return 0.0
+        t0 = time.perf_counter()
+        buckets = []
+        while not buckets or buckets[-1] < lg.max_rows:
+            buckets.append(16 << len(buckets))
+        lg.prepare(buckets)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     # ---- plumbing -----------------------------------------------------------------------------------------
     def set_link(self, g: float | None) -> None:
         """Emulated link of ``g`` Gbps (None: unthrottled memory tier); the bandwidth estimate starts over."""
@@ -607,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="decode steps as CUDA graphs (EngineConfig.cuda_graphs; default on with --device cuda), "
                          "the same for every method")
+    ap.add_argument("--layer-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --cuda-graphs: restorations' layer calls of <= 128 rows (the suffix) as CUDA graphs "
+                         "(ModelRunner.layer_graphs); --no-layer-graphs runs them as plain calls (A/B)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -662,6 +678,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.cuda_graphs:
         graphs_s = b.capture_graphs(max(a.requests, max(a.batches)))
         con.print(f"decode CUDA graphs captured for batch sizes 1..{b.eng.runner.graphs.captures} ({graphs_s:.1f} s)")
+        if not a.layer_graphs:  # A/B: restorations' short layer calls as plain calls, as before
+            b.eng.runner.layer_graphs = None
+        b.layer_graphs_s = b.capture_layer_graphs()
+        if b.eng.runner.layer_graphs is not None:
+            con.print(f"restore layer graphs captured for {b.eng.runner.layer_graphs.captures} row buckets up to "
+                      f"{b.eng.runner.layer_graphs.max_rows} rows ({b.layer_graphs_s:.1f} s)")
     b.warm_profile([64, 128, 256, 512] if not gpu else [1024, 4096, 8192, a.max_input])
     con.print(f"decode step at batch 1: {b.decode_step * 1e3:.1f} ms with the store writer idle, "
               f"{b.decode_step_writer_busy * 1e3:.1f} ms with {b.writer_backlog_bytes / 2**30:.2f} GiB queued for it")
@@ -705,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
             "kv_dtype": "bfloat16", "compute_dtype": str(b.eng.config.torch_dtype), "chunk_tokens": a.chunk,
             "attention_backend": b.eng.runner.attention.name, "cuda_graphs": bool(a.cuda_graphs),
+            "layer_graphs": b.eng.runner.layer_graphs is not None, "layer_graphs_capture_s": getattr(b, "layer_graphs_s", 0.0),
             "decode_step_batch1_s": b.decode_step, "decode_step_batch1_writer_busy_s": b.decode_step_writer_busy,
             "writer_backlog_bytes_at_that_step": b.writer_backlog_bytes,
             "decode_probe_writer_busy": b.probe_trail, "decode_probe_stacks": b.probe_stacks,

@@ -116,3 +116,124 @@ class DecodeGraphs:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(batch)
         return g
+
+
+class _Piece:
+    """One half of a layer (before or after its attention call): a captured CUDA graph, or on the CPU (where there
+    are no graphs) the same function run eagerly, so the buffer and padding logic around it is testable there."""
+
+    def __init__(self, fn, pool, capture: bool) -> None:
+        self.fn = fn
+        self.graph = None
+        if capture:
+            # capture_begin/end, not ``torch.cuda.graph``: that one synchronises the device and collects garbage
+            # per graph, and here a layer has two. The caller holds a side stream current.
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads may run
+            try:
+                fn()
+            finally:
+                self.graph.capture_end()
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+class LayerGraph:
+    """One row bucket's layers, each as two replays (before and after its attention call) over fixed buffers.
+
+    Why: a restoration's suffix (the few new tokens after a restored prefix) runs layer by layer, each layer as soon
+    as its loads are in, and at 16-128 rows a layer is ~40 small kernels whose Python and launch cost (0.9-1.2 ms
+    per layer on the H200 host, 1.6-2.4 ms beside the I/O thread, with which it shares the GIL) is the layer's time.
+    Rows beyond the caller's ``t`` are padding: every op outside attention works row by row, and attention sees the
+    first ``t`` rows only, so padding never reaches a real row. Buffers: ``h`` (the residual stream, read and
+    written in place), ``positions``; per layer q/k/v (outputs of the first half) and the attention output (input
+    of the second)."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, device: torch.device, capture: bool = True, warmup: int = 2):
+        a = model.args
+        self.rows = rows
+        dtype = model.model.embed_tokens.weight.dtype
+        with torch.inference_mode(False):  # plain tensors: updated in place by callers in and out of inference mode
+            self.h = torch.zeros(rows, a.hidden_size, dtype=dtype, device=device)
+            self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+            self.outs = [torch.zeros(rows, a.num_heads, a.head_dim, dtype=dtype, device=device)
+                         for _ in range(a.num_layers)]
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = [None] * a.num_layers  # type: ignore[list-item]
+        self.calls = 0  # layers run
+        layers = model.model.layers
+
+        def before(i: int):
+            def fn() -> None:
+                cos, sin = model.rope(self.positions, dtype)
+                self.qkv[i] = layers[i].before_attention(self.h, cos, sin)
+            return fn
+
+        def after(i: int):
+            def fn() -> None:
+                self.h.copy_(layers[i].after_attention(self.h, self.outs[i]))
+            return fn
+
+        fns = [f for i in range(a.num_layers) for f in (before(i), after(i))]
+        if not capture:
+            self.pieces = [_Piece(f, None, False) for f in fns]
+            return
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):  # cuBLAS handles and allocator state must exist before capture
+                fns[0]()
+                fns[1]()
+            self.h.zero_()
+            pool = torch.cuda.graph_pool_handle()  # one pool: the pieces replay in capture order
+            self.pieces = [_Piece(f, pool, True) for f in fns]
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def layer(self, i: int, t: int, attention) -> torch.Tensor:
+        """Run layer ``i`` over the first ``t`` rows of ``h``; returns ``h[:t]`` (a view, valid until the next call)."""
+        self.calls += 1
+        self.pieces[2 * i]()
+        q, k, v = self.qkv[i]
+        out = attention(i, q[:t], k[:t], v[:t])
+        self.outs[i][:t].copy_(out.reshape(t, *q.shape[1:]))
+        self.pieces[2 * i + 1]()
+        return self.h[:t]
+
+
+class LayerGraphs:
+    """``LayerGraph`` per row bucket (powers of two from 16 to ``max_rows``), captured on first use or by
+    ``prepare``. Used by the restore port for layer calls of at most ``max_rows`` rows."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_rows: int = 128, capture: bool = True):
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the engine runs on {device}")
+        if max_rows < 16 or max_rows & (max_rows - 1):
+            raise ValueError(f"max_rows must be a power of two >= 16, got {max_rows}")
+        self.model = model
+        self.device = device
+        self.max_rows = max_rows
+        self.capture = capture
+        self.cache: dict[int, LayerGraph] = {}
+        self.captures = 0
+
+    def bucket(self, rows: int) -> int:
+        return max(16, 1 << (rows - 1).bit_length())
+
+    def get(self, rows: int) -> LayerGraph:
+        if not 0 < rows <= self.max_rows:
+            raise ValueError(f"layer graphs take 1..{self.max_rows} rows, got {rows}")
+        b = self.bucket(rows)
+        g = self.cache.get(b)
+        if g is None:
+            g = self.cache[b] = LayerGraph(self.model, b, self.device, capture=self.capture)
+            self.captures += 1
+        return g
+
+    def prepare(self, rows: list[int]) -> None:
+        """Capture the buckets of these row counts now (not inside a timed restoration)."""
+        for n in rows:
+            if 0 < n <= self.max_rows:
+                self.get(n)

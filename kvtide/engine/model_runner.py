@@ -7,7 +7,7 @@ from torch.profiler import record_function
 from ..cache.zip_pages import ZipPagedKV
 from ..models.llama import CausalLM
 from .attention import BatchLayout, PageArrays, make_backend
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, LayerGraphs
 from .zip_backend import make_zip_backend
 from .sampler import sample
 from .sequence import Sequence
@@ -27,6 +27,8 @@ class ModelRunner:
         self.page_arrays = PageArrays()  # block tables as arrays, extended step to step
         # decode-only steps replay the model between attention calls as CUDA graphs (kvtide/engine/cuda_graphs.py)
         self.graphs = DecodeGraphs(model, self.device) if cuda_graphs else None
+        # and a restoration's short layer calls (its suffix) replay each layer's halves around attention
+        self.layer_graphs = LayerGraphs(model, self.device) if cuda_graphs else None
         if store is not None:
             self.kv_caches: list[torch.Tensor] = []
             self.attention = make_zip_backend(backend, store, a.num_heads, a.num_kv_heads, a.head_dim, page_size)

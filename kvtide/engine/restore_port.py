@@ -32,6 +32,7 @@ class EnginePort:
         # engine steps, on the caller's thread): the last plan stays valid until the segments change.
         self._planned: tuple | None = None
         self._positions = self._rows = torch.empty(0)
+        self._graph_rows: tuple | None = None  # (layer graph, segments) whose positions its buffer holds
 
     def slots(self, r: int, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end, device=self.device)
@@ -40,7 +41,11 @@ class EnginePort:
     def run_layer(self, layer: int, h: torch.Tensor | None, segments: Sequence[Segment]) -> torch.Tensor:
         """Plans only when the segments change: a staircase has a few distinct boundaries and the suffix one set of
         rows for every layer, so a restoration plans a handful of times, not once per layer (FlashInfer's prefill
-        plan is host work the compute thread would otherwise pay per layer while the I/O thread competes for it)."""
+        plan is host work the compute thread would otherwise pay per layer while the I/O thread competes for it).
+
+        With the runner's layer graphs (CUDA graphs on), calls of up to ``max_rows`` rows (the suffix, short
+        staircase layers) replay the layer's two halves around an eager attention call; the returned h is then
+        a view of the graph's buffer, which the next call of the same bucket reads in place."""
         key = tuple((s.request, s.start, s.end) for s in segments)
         if key != self._planned:
             segs = list(segments)
@@ -55,8 +60,21 @@ class EnginePort:
             self._rows = torch.cat([self._ids[s.request][s.start:s.end] for s in segs])
             self.runner.attention.plan(layout)
             self._planned = key
-        return self.model.hidden_states(self._rows, self._positions, self.runner.attention,
-                                        layers=range(layer, layer + 1), h=h)
+        t = self._rows.shape[0]
+        graphs = getattr(self.runner, "layer_graphs", None)
+        if graphs is None or t > graphs.max_rows:
+            return self.model.hidden_states(self._rows, self._positions, self.runner.attention,
+                                            layers=range(layer, layer + 1), h=h)
+        g = graphs.get(t)
+        if self._graph_rows != (g, key):
+            g.positions[:t].copy_(self._positions)
+            g.positions[t:].zero_()  # padding rows: any valid position
+            self._graph_rows = (g, key)
+        if h is None:
+            g.h[:t].copy_(self.model.model.embed_tokens(self._rows))
+        elif h.data_ptr() != g.h.data_ptr():  # else h is g.h[:t] already: the last call's output, or its first rows
+            g.h[:t].copy_(h)
+        return g.layer(layer, t, self.runner.attention)
 
     def write_kv(self, layer: int, request: int, start: int, kv: torch.Tensor) -> None:
         """Place loaded K/V [2, T, kv_heads, head_dim] at positions [start, start + T) of ``layer``.

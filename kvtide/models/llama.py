@@ -116,13 +116,12 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
         self.shape = (a.num_heads, a.num_kv_heads, a.head_dim)
 
-    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hq, hk, d = self.shape
         t = x.shape[0]
         q = apply_rope(self.q_proj(x).view(t, hq, d), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, hk, d), cos, sin)
-        v = self.v_proj(x).view(t, hk, d)
-        return self.o_proj(attention(layer, q, k, v).reshape(t, hq * d))
+        return q, k, self.v_proj(x).view(t, hk, d)
 
 
 class MLP(nn.Module):
@@ -145,7 +144,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, layer: int, h: torch.Tensor, cos, sin, attention: Attention) -> torch.Tensor:
-        h = h + self.self_attn(layer, self.input_layernorm(h), cos, sin, attention)
+        q, k, v = self.before_attention(h, cos, sin)
+        return self.after_attention(h, attention(layer, q, k, v))
+
+    # The two halves around the attention call, so a caller can run each as one CUDA graph (engine/cuda_graphs.py).
+    # Every op in them works row by row: a row's output depends on that row's input alone.
+    def before_attention(self, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.qkv(self.input_layernorm(h), cos, sin)
+
+    def after_attention(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.o_proj(attn.reshape(h.shape[0], -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -176,12 +184,14 @@ class CausalLM(nn.Module):
         """Run `layers` (all by default) over a flat token batch; `h` replaces the embeddings when resuming midway."""
         if h is None:
             h = self.model.embed_tokens(input_ids)
-        dtype = h.dtype
-        cos = self.rope_cos[positions].to(dtype)
-        sin = self.rope_sin[positions].to(dtype)
+        cos, sin = self.rope(positions, h.dtype)
         for i in layers if layers is not None else range(self.args.num_layers):
             h = self.model.layers[i](i, h, cos, sin, attention)
         return h
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows of ``positions``."""
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, for the rows that are sampled; float32 for the sampler."""
