@@ -110,7 +110,6 @@ class RestoreConfig:
     spill: bool = True  # evicted device-cache pages of chunks the store lacks are written first (prefix caching)
     hedge: float = 0.0  # >0: CacheFlow plans this much compute-heavy when stealing is on (see Restorer.plan_for)
     merge_load_layers: int = 1  # most consecutive layers whose loads share a fetch (1: one per layer; executor)
-    io_high_priority: bool = False  # CUDA: the loads' stream at high priority (executor LoadConfig.high_priority)
     # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
     # RestoreStats.writes_dropped): a tier that cannot keep up costs later recomputes, not host memory
     write_queue_bytes: int = 8 << 30
@@ -136,8 +135,6 @@ class RestoreConfig:
         if not isinstance(self.merge_load_layers, int) or isinstance(self.merge_load_layers, bool) \
                 or self.merge_load_layers < 1:
             raise ValueError(f"RestoreConfig.merge_load_layers must be an int >= 1, got {self.merge_load_layers!r}")
-        if not isinstance(self.io_high_priority, bool):
-            raise ValueError(f"RestoreConfig.io_high_priority must be a bool, got {self.io_high_priority!r}")
 
 
 @dataclass

@@ -140,9 +140,7 @@ class LoadConfig:
     host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
     the CPU verifies). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
     CPU device (its spare core already runs this thread) and min(2, cores // 2) on CUDA (see the module docstring).
-    ``steal``, ``merge_layers``: see the module docstring. ``high_priority``: the I/O stream is made with CUDA's
-    highest stream priority, so a batch's page writes (small kernels) take SMs as the staircase's kernels free
-    them instead of queueing behind whole kernels; the next batch's copy, on the same stream, waits for them.
+    ``steal``, ``merge_layers``: see the module docstring.
     """
 
     batch_bytes: int = 64 << 20
@@ -150,7 +148,6 @@ class LoadConfig:
     workers: int | None = None
     steal: bool = False  # idle link takes recompute chunks of staircase layers not started yet
     merge_layers: int = 1  # most consecutive layers whose entries share a fetch (1: a fetch per layer)
-    high_priority: bool = False  # CUDA: the I/O stream's page writes go ahead of the compute stream's kernels
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_bytes, int) or self.batch_bytes < 1:
@@ -280,7 +277,7 @@ class RestoreExecutor:
     def _load_all(self, jobs: Sequence[RestoreJob], st: _Loads) -> None:
         port = self.port
         cuda = port.device.type == "cuda"
-        stream = _io_stream(port.device, self.load.high_priority) if cuda else None
+        stream = _io_stream(port.device) if cuda else None
         st.t_start = time.perf_counter()
         nxt = 0  # layers below are signalled
 
@@ -743,20 +740,18 @@ class _Clock:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
-_STREAMS: dict[tuple[int, bool], Any] = {}
+_STREAMS: dict[int, Any] = {}
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def _io_stream(device: torch.device, high_priority: bool = False) -> Any:
-    """The I/O side's own CUDA stream per device and priority (made once: successive restorations share it)."""
+def _io_stream(device: torch.device) -> Any:
+    """The I/O side's own CUDA stream per device (made once: loads of successive restorations share it)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     with _SHARED_LOCK:
-        if (idx, high_priority) not in _STREAMS:
-            # lower is higher; torch maps a value beyond the device's range to its highest priority
-            _STREAMS[idx, high_priority] = torch.cuda.Stream(device=torch.device("cuda", idx),
-                                                             priority=-100 if high_priority else 0)
-        return _STREAMS[idx, high_priority]
+        if idx not in _STREAMS:
+            _STREAMS[idx] = torch.cuda.Stream(device=torch.device("cuda", idx))
+        return _STREAMS[idx]
 
 
 def _pool(n: int) -> ThreadPoolExecutor:

@@ -90,8 +90,7 @@ def test_cuda_load_paths_place_prefill_bytes_and_match_logits():
     r.writer.flush()
     keys = chunk_keys(ids[:N], r.keyspace)
     ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())  # recompute-only: a plain prefill
-    for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2),
-                 LoadConfig(high_priority=True)):
+    for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2)):
         res, got = _restore(llm, r.store, ids, keys, [0] * L, load)
         assert res.failures == [] and res.loaded_tokens == L * N
         assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want)), load

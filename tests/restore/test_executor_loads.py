@@ -228,14 +228,6 @@ def test_merge_layers_must_be_a_positive_int(bad) -> None:
         RestoreConfig(merge_load_layers=bad)
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
-def test_io_high_priority_must_be_a_bool(bad) -> None:
-    from kvtide.config import RestoreConfig
-
-    with pytest.raises(ValueError, match="io_high_priority"):
-        RestoreConfig(io_high_priority=bad)
-
-
 def test_loads_beside_a_replay_feed_the_overlapped_estimate(stored) -> None:
     """A hybrid plan's loads are observed as overlapped, a load-only plan's as alone; plans read the matching one."""
     from types import SimpleNamespace
