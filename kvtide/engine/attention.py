@@ -146,13 +146,14 @@ def make_backend(name: str, kv_caches: list[torch.Tensor], num_heads: int, num_k
 
     device = kv_caches[0].device
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer_unsupported(head_dim) is None else "torch"
+        name = "flashinfer" if device.type == "cuda" and flashinfer_unsupported(head_dim, kv_caches[0].dtype) is None \
+            else "torch"
     if name == "torch":
         return TorchAttention(kv_caches, num_heads, head_dim)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        why = flashinfer_unsupported(head_dim)
+        why = flashinfer_unsupported(head_dim, kv_caches[0].dtype)
         if why is not None:
             raise ValueError(f"attention backend 'flashinfer': {why}; choose auto or torch")
         from .flashinfer_backend import FlashInferAttention

@@ -9,11 +9,13 @@ from .attention import AttentionBackend, BatchLayout
 
 WORKSPACE_BYTES = 256 << 20
 HEAD_DIMS = (64, 128, 256)  # the head dims FlashInfer 0.6.12 serves here (see flashinfer_unsupported)
+KV_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def flashinfer_unsupported(head_dim: int) -> str | None:
-    """Why this backend cannot serve a model (None when it can): flashinfer missing, or a head_dim its prefill kernels
-    lack. Measured on the H200: at head_dim 32 the FA3 build that "auto" picks on sm90 fails a static_assert, and FA2
+def flashinfer_unsupported(head_dim: int, kv_dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why this backend cannot serve a model (None when it can): flashinfer missing, a head_dim its prefill kernels
+    lack, or float32 KV (its kernels take 16-bit KV; 0.6.12 fails with a KeyError on float32 in its module lookup).
+    Measured on the H200: at head_dim 32 the FA3 build that "auto" picks on sm90 fails a static_assert, and FA2
     refuses its tile configuration at run time, so the engine picks torch attention there instead."""
     try:
         import flashinfer  # noqa: F401
@@ -21,6 +23,8 @@ def flashinfer_unsupported(head_dim: int) -> str | None:
         return "the flashinfer package is not installed"
     if head_dim not in HEAD_DIMS:
         return f"FlashInfer's prefill kernels take head_dim {'/'.join(map(str, HEAD_DIMS))}, this model's is {head_dim}"
+    if kv_dtype not in KV_DTYPES:
+        return f"FlashInfer's kernels take float16/bfloat16 KV, this engine's is {str(kv_dtype).removeprefix('torch.')}"
     return None
 
 

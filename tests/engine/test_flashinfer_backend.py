@@ -42,5 +42,7 @@ def test_models_whose_head_dim_flashinfer_lacks_get_torch_attention(monkeypatch)
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace())
     assert flashinfer_unsupported(64) is None and flashinfer_unsupported(128) is None
     assert "head_dim 64/128/256" in flashinfer_unsupported(32)
+    assert flashinfer_unsupported(128, torch.float16) is None
+    assert "float16/bfloat16 KV, this engine's is float32" in flashinfer_unsupported(128, torch.float32)
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails
     assert "not installed" in flashinfer_unsupported(128)
