@@ -70,7 +70,8 @@ class Bench:
                        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens),
                        restore=RestoreConfig(store="memory", memory_bytes=a.store_gb << 30, chunk_tokens=a.chunk,
                                              max_batch=max(8, max(a.batches)),
-                                             merge_load_layers=getattr(a, "merge_load_layers", 1)))
+                                             merge_load_layers=getattr(a, "merge_load_layers", 1),
+                                             load_workers=getattr(a, "load_workers", None)))
         self.eng = self.llm.engine
         self.r = self.eng.restorer
         if getattr(a, "mixed_load_rate", False):  # A/B: one load-rate estimate over every load, as before
@@ -620,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="decode steps as CUDA graphs (EngineConfig.cuda_graphs; default on with --device cuda), "
                          "the same for every method")
+    ap.add_argument("--load-workers", type=int, default=None,
+                    help="threads verifying and staging loads (RestoreConfig.load_workers; default: 2 on CUDA, 0 on CPU)")
     ap.add_argument("--layer-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="with --cuda-graphs: restorations' layer calls of <= 128 rows (the suffix) as CUDA graphs "
                          "(ModelRunner.layer_graphs); --no-layer-graphs runs them as plain calls (A/B)")
@@ -727,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
             "kv_dtype": "bfloat16", "compute_dtype": str(b.eng.config.torch_dtype), "chunk_tokens": a.chunk,
             "attention_backend": b.eng.runner.attention.name, "cuda_graphs": bool(a.cuda_graphs),
-            "layer_graphs": b.eng.runner.layer_graphs is not None, "layer_graphs_capture_s": getattr(b, "layer_graphs_s", 0.0),
+            "layer_graphs": b.eng.runner.layer_graphs is not None, "load_workers": a.load_workers, "layer_graphs_capture_s": getattr(b, "layer_graphs_s", 0.0),
             "decode_step_batch1_s": b.decode_step, "decode_step_batch1_writer_busy_s": b.decode_step_writer_busy,
             "writer_backlog_bytes_at_that_step": b.writer_backlog_bytes,
             "decode_probe_writer_busy": b.probe_trail, "decode_probe_stacks": b.probe_stacks,

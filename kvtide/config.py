@@ -110,6 +110,7 @@ class RestoreConfig:
     spill: bool = True  # evicted device-cache pages of chunks the store lacks are written first (prefix caching)
     hedge: float = 0.0  # >0: CacheFlow plans this much compute-heavy when stealing is on (see Restorer.plan_for)
     merge_load_layers: int = 1  # most consecutive layers whose loads share a fetch (1: one per layer; executor)
+    load_workers: int | None = None  # threads verifying and staging loads (None: the executor's LoadConfig default)
     # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
     # RestoreStats.writes_dropped): a tier that cannot keep up costs later recomputes, not host memory
     write_queue_bytes: int = 8 << 30
@@ -135,6 +136,9 @@ class RestoreConfig:
         if not isinstance(self.merge_load_layers, int) or isinstance(self.merge_load_layers, bool) \
                 or self.merge_load_layers < 1:
             raise ValueError(f"RestoreConfig.merge_load_layers must be an int >= 1, got {self.merge_load_layers!r}")
+        if self.load_workers is not None and (not isinstance(self.load_workers, int)
+                                              or isinstance(self.load_workers, bool) or self.load_workers < 0):
+            raise ValueError(f"RestoreConfig.load_workers must be None or an int >= 0, got {self.load_workers!r}")
 
 
 @dataclass

@@ -392,7 +392,7 @@ class Restorer:
             # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
             # that mixes the two; recompute-only keeps its link idle by definition, load-only has nothing to take.
             steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
-            load = LoadConfig(steal=steal, merge_layers=self.cfg.merge_load_layers)
+            load = LoadConfig(steal=steal, merge_layers=self.cfg.merge_load_layers, workers=self.cfg.load_workers)
             res = RestoreExecutor(port, self.store, self.chunk, load).run(jobs, profile=self.profile)
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])

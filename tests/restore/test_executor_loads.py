@@ -228,6 +228,15 @@ def test_merge_layers_must_be_a_positive_int(bad) -> None:
         RestoreConfig(merge_load_layers=bad)
 
 
+@pytest.mark.parametrize("bad", [-1, True, 2.0, "2"])
+def test_load_workers_must_be_none_or_a_count(bad) -> None:
+    from kvtide.config import RestoreConfig
+
+    with pytest.raises(ValueError, match="load_workers"):
+        RestoreConfig(load_workers=bad)
+    assert RestoreConfig(load_workers=4).load_workers == 4
+
+
 def test_loads_beside_a_replay_feed_the_overlapped_estimate(stored) -> None:
     """A hybrid plan's loads are observed as overlapped, a load-only plan's as alone; plans read the matching one."""
     from types import SimpleNamespace
