@@ -188,7 +188,10 @@ class LayerGraph:
                 fns[0]()
                 fns[1]()
             self.h.zero_()
-            pool = torch.cuda.graph_pool_handle()  # one pool: the pieces replay in capture order
+            # One pool for all pieces, replayed in any order (a staircase's layers, then the suffix's from layer 0):
+            # what a piece leaves behind is either kept referenced (each layer's q/k/v) or copied into ``h``, so the
+            # pool memory a later capture reused held only an earlier piece's own temporaries.
+            pool = torch.cuda.graph_pool_handle()
             self.pieces = [_Piece(f, pool, True) for f in fns]
         torch.cuda.current_stream(device).wait_stream(side)
 

@@ -72,8 +72,8 @@ class EnginePort:
             self._graph_rows = (g, key)
         if h is None:
             g.h[:t].copy_(self.model.model.embed_tokens(self._rows))
-        elif h.data_ptr() != g.h.data_ptr():  # else h is g.h[:t] already: the last call's output, or its first rows
-            g.h[:t].copy_(h)
+        elif h.data_ptr() != g.h.data_ptr() or h.shape[0] != t:  # else h is g.h[:t]: the last call's output or
+            g.h[:t].copy_(h)                                         # its first rows, already in place
         return g.layer(layer, t, self.runner.attention)
 
     def write_kv(self, layer: int, request: int, start: int, kv: torch.Tensor) -> None:
