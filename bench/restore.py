@@ -99,10 +99,7 @@ class Bench:
         if lg is None:
             return 0.0
         t0 = time.perf_counter()
-        buckets = []
-        while not buckets or buckets[-1] < lg.max_rows:
-            buckets.append(16 << len(buckets))
-        lg.prepare(buckets)
+        lg.prepare()
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 

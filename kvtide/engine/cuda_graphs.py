@@ -155,7 +155,6 @@ class LayerGraph:
 
     def __init__(self, model: torch.nn.Module, rows: int, device: torch.device, capture: bool = True, warmup: int = 2):
         a = model.args
-        self.rows = rows
         dtype = model.model.embed_tokens.weight.dtype
         with torch.inference_mode(False):  # plain tensors: updated in place by callers in and out of inference mode
             self.h = torch.zeros(rows, a.hidden_size, dtype=dtype, device=device)
@@ -235,8 +234,8 @@ class LayerGraphs:
             self.captures += 1
         return g
 
-    def prepare(self, rows: list[int]) -> None:
-        """Capture the buckets of these row counts now (not inside a timed restoration)."""
-        for n in rows:
+    def prepare(self, rows: list[int] | None = None) -> None:
+        """Capture the buckets of these row counts (default: every bucket) now, not inside a timed restoration."""
+        for n in rows if rows is not None else [16 << i for i in range((self.max_rows // 16).bit_length())]:
             if 0 < n <= self.max_rows:
                 self.get(n)

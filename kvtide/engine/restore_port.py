@@ -61,7 +61,7 @@ class EnginePort:
             self.runner.attention.plan(layout)
             self._planned = key
         t = self._rows.shape[0]
-        graphs = getattr(self.runner, "layer_graphs", None)
+        graphs = self.runner.layer_graphs
         if graphs is None or t > graphs.max_rows:
             return self.model.hidden_states(self._rows, self._positions, self.runner.attention,
                                             layers=range(layer, layer + 1), h=h)
@@ -71,7 +71,7 @@ class EnginePort:
             g.positions[t:].zero_()  # padding rows: any valid position
             self._graph_rows = (g, key)
         if h is None:
-            g.h[:t].copy_(self.model.model.embed_tokens(self._rows))
+            g.h[:t].copy_(self.model.embed(self._rows))
         elif h.data_ptr() != g.h.data_ptr() or h.shape[0] != t:  # else h is g.h[:t]: the last call's output or
             g.h[:t].copy_(h)                                         # its first rows, already in place
         return g.layer(layer, t, self.runner.attention)

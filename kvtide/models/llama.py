@@ -183,11 +183,14 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run `layers` (all by default) over a flat token batch; `h` replaces the embeddings when resuming midway."""
         if h is None:
-            h = self.model.embed_tokens(input_ids)
+            h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         for i in layers if layers is not None else range(self.args.num_layers):
             h = self.model.layers[i](i, h, cos, sin, attention)
         return h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin rows of ``positions``."""

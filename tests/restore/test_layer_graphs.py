@@ -127,6 +127,8 @@ def test_layer_graphs_config_errors():
     assert [g.bucket(n) for n in (1, 16, 17, 32)] == [16, 16, 32, 32]
     with pytest.raises(ValueError, match="1..32 rows"):
         g.get(33)
+    g.prepare()  # every bucket, as a bench does before timing
+    assert sorted(g.cache) == [16, 32] and g.captures == 2
 
 
 def _two_turns_ids(llm, seed: int, extra: int, first: int = 100, out: int = 3) -> tuple[list[int], list[int]]:
