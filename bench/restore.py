@@ -50,6 +50,7 @@ from kvtide.restore.profile import LatencyProfile, ProfileConfig  # noqa: E402
 from kvtide.store.bandwidth import BandwidthLimitedStore, gbps  # noqa: E402
 from kvtide.store.keys import chunk_keys  # noqa: E402
 from kvtide.store.memory import MemoryStore  # noqa: E402
+from kvtide.store.pinned import PinnedMemoryStore  # noqa: E402
 from restore_trace import (block_content, build_workload, load_trace, prefixes_to_preload, replay,  # noqa: E402
                            text_tokens)
 
@@ -68,7 +69,8 @@ class Bench:
                        cache=CacheConfig(kv_dtype="bfloat16", enable_prefix_caching=False,
                                          **({"num_pages": a.num_pages} if a.num_pages else {})),
                        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens),
-                       restore=RestoreConfig(store="memory", memory_bytes=a.store_gb << 30, chunk_tokens=a.chunk,
+                       restore=RestoreConfig(store=getattr(a, "store", "memory"), memory_bytes=a.store_gb << 30,
+                                             chunk_tokens=a.chunk,
                                              max_batch=max(8, max(a.batches)),
                                              merge_load_layers=getattr(a, "merge_load_layers", 1),
                                              load_workers=getattr(a, "load_workers", None)))
@@ -112,9 +114,21 @@ class Bench:
         self.r.profile.reset_bandwidth()
 
     def fresh_store(self, snapshot: MemoryStore | None = None) -> None:
+        """An empty tier (``--store``), or one holding ``snapshot``'s entries."""
         self.r.writer.flush()
-        self.inner = snapshot.copy() if snapshot is not None else MemoryStore(self.a.store_gb << 30)
+        cap = self.a.store_gb << 30
+        if getattr(self.a, "store", "memory") == "pinned":  # page-locked slabs, allocated as the tier fills
+            self.inner = PinnedMemoryStore(cap) if snapshot is None else PinnedMemoryStore.filled_from(snapshot, cap)
+        else:
+            self.inner = snapshot.copy() if snapshot is not None else MemoryStore(cap)
         self.r.use_store(self.inner)
+
+    def snapshot(self) -> MemoryStore:
+        """The tier's entries as a plain in-memory store (a pinned tier is not copied into more pinned memory)."""
+        out = MemoryStore(self.a.store_gb << 30)
+        for name, blob in self.inner.records():
+            out._write(name, blob)
+        return out
 
     def populate(self, prompts: list[list[int]]) -> int:
         """Prefill each prompt once (untimed): its full chunks go to the store at finish. Each prompt's writes are
@@ -256,7 +270,7 @@ class Bench:
         self.set_link(None)
         pre = prefixes_to_preload(reqs, a.block_tokens)
         missing = self.populate(pre)
-        snapshot = self.inner.copy()
+        snapshot = self.snapshot()
         span = max(reqs[-1].arrival - reqs[0].arrival, 1e-3)
         # Saturation of recompute-only: all requests at once, completions per second (first link: it is idle).
         # Run twice and take the second: the first pays one-off costs no later run pays (on the H200 its step
@@ -618,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="decode steps as CUDA graphs (EngineConfig.cuda_graphs; default on with --device cuda), "
                          "the same for every method")
+    ap.add_argument("--store", choices=("memory", "pinned"), default="memory",
+                    help="the host tier behind the emulated link: records as bytes (loads staged through a pinned "
+                         "buffer) or in page-locked slabs (loads go to the GPU by DMA from the record)")
     ap.add_argument("--load-workers", type=int, default=None,
                     help="threads verifying and staging loads (RestoreConfig.load_workers; default: 2 on CUDA, 0 on CPU)")
     ap.add_argument("--layer-graphs", action=argparse.BooleanOptionalAction, default=True,
@@ -733,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
             "decode_probe_writer_busy": b.probe_trail, "decode_probe_stacks": b.probe_stacks,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
-            "store": "in-process memory tier (XXH3-128 checksummed records, verified on every load)",
+            "store": ("in-process memory tier (XXH3-128 checksummed records, verified on every load)"
+                      + (", records in page-locked slabs: loads DMA'd to the GPU from the record (--store pinned)"
+                         if a.store == "pinned" else ", records as bytes: loads staged through a pinned buffer")),
             "executor": "batched pipelined loads, stealing on for hybrid plans (RestoreConfig.steal), "
                         + f"fetches of up to {a.merge_load_layers} consecutive layers",
             "args": vars(a), "trace_links": [{"gbps": x, "label": y} for x, y in links],

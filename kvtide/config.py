@@ -99,8 +99,8 @@ class RestoreConfig:
     """CacheFlow restoration (kvtide/engine/restoration.py): finished requests' full prefix chunks go to a KV
     store; a new request whose prefix is in the store but not on the device is restored by plan."""
 
-    store: str = "memory"  # memory | disk:PATH | redis://host:port[/db]
-    memory_bytes: int = 1 << 30  # bound of the in-process tier
+    store: str = "memory"  # memory | pinned (page-locked memory, DMA loads) | disk:PATH | redis://host:port[/db]
+    memory_bytes: int = 1 << 30  # bound of the in-process tier (memory, pinned)
     chunk_tokens: int = 256  # store/plan granularity; a multiple of the page size
     method: str = "cacheflow"  # cacheflow | recompute | load | cake | layerwise (all on the same executor)
     bandwidth_gbps: float | None = None  # emulated link on the load path (None: the tier's own speed)

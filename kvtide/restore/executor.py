@@ -392,6 +392,21 @@ class RestoreExecutor:
         layers = [layer for layer, _ in segs]
         if f is None:
             return layers
+        after = None
+        try:
+            after = self._place_fetched(jobs, segs, f, st, pool)
+        finally:
+            release = getattr(f, "release", None)  # a tier's own memory (PinnedMemoryStore): give it back
+            if release is not None:
+                if after is None and getattr(f, "pinned", False) and self.port.device.type == "cuda":
+                    after = torch.cuda.Event()  # an error after some device copies began: behind those copies
+                    after.record()
+                release(after)
+        return layers
+
+    def _place_fetched(self, jobs: Sequence[RestoreJob], segs: list[tuple[int, list]], f: Any, st: _Loads,
+                       pool: ThreadPoolExecutor | None) -> Any:
+        """``_place``'s work; returns the event behind device copies still reading ``f``'s bytes (or None)."""
         st.link_wait += f.wait()
         C = self.chunk
         heads, dim = self.port.kv_entry_shape()
@@ -424,8 +439,9 @@ class RestoreExecutor:
                     st.failed_requests.add(r)
             else:
                 ok.append((i, kv))
+        after = None
         if self.port.device.type == "cuda":
-            placed = self._place_cuda(flat, ok, pool)
+            placed, after = self._place_cuda(flat, ok, pool, direct=getattr(f, "pinned", False))
         else:
             placed = []
             for i, kv in ok:
@@ -439,32 +455,45 @@ class RestoreExecutor:
                 st.bytes += len(f.blobs[i])
                 st.entries += 1
                 st.tokens += b - a
-        return layers
+        return after
 
     def _place_cuda(self, flat: list[tuple[int, tuple[int, int, int, int]]], ok: list[tuple[int, torch.Tensor]],
-                    pool: ThreadPoolExecutor | None) -> list[int]:
-        """Stage a batch in pinned memory (parallel copies), one async copy to the device, page writes on the
-        I/O stream (the caller's current stream)."""
+                    pool: ThreadPoolExecutor | None, direct: bool = False) -> tuple[list[int], Any]:
+        """Entries to the device on the I/O stream (the caller's current stream), then page writes there.
+
+        ``direct``: the entries lie in page-locked memory (``PinnedMemoryStore``), so each is copied to the device
+        by DMA straight from the record; returns the event behind those copies, before which the records must
+        not be reused. Otherwise they are staged in one pinned buffer (parallel copies) for one async copy.
+        """
         if not ok:
-            return []
+            return [], None
         C = self.chunk
         sizes = [kv.numel() * kv.element_size() for _, kv in ok]
         offs = [0]
         for n in sizes:
             offs.append(offs[-1] + -(-n // 64) * 64)
-        # torch's caching host allocator recycles pinned blocks and, having recorded the copy's event on this
-        # stream, hands a block out again only after that copy has finished: no staging block is overwritten early.
-        host = torch.empty(offs[-1], dtype=torch.uint8, pin_memory=True)
-
-        def stage(k: int) -> None:
-            host[offs[k]:offs[k] + sizes[k]].copy_(ok[k][1].reshape(-1).view(torch.uint8))
-
-        if pool is not None:
-            list(pool.map(stage, range(len(ok))))
+        after = None
+        if direct:
+            dev = torch.empty(offs[-1], dtype=torch.uint8, device=self.port.device)
+            for k, (_, kv) in enumerate(ok):
+                dev[offs[k]:offs[k] + sizes[k]].copy_(kv.reshape(-1).view(torch.uint8), non_blocking=True)
+            after = torch.cuda.Event()
+            after.record()
         else:
-            for k in range(len(ok)):
-                stage(k)
-        dev = host.to(self.port.device, non_blocking=True)
+            # torch's caching host allocator recycles pinned blocks and, having recorded the copy's event on this
+            # stream, hands a block out again only after that copy has finished: no staging block is overwritten
+            # early.
+            host = torch.empty(offs[-1], dtype=torch.uint8, pin_memory=True)
+
+            def stage(k: int) -> None:
+                host[offs[k]:offs[k] + sizes[k]].copy_(ok[k][1].reshape(-1).view(torch.uint8))
+
+            if pool is not None:
+                list(pool.map(stage, range(len(ok))))
+            else:
+                for k in range(len(ok)):
+                    stage(k)
+            dev = host.to(self.port.device, non_blocking=True)
         chunks = getattr(self.port, "write_kv_chunks", None)
         runs = _chunk_runs([flat[i] for i, _ in ok], [tuple(kv.shape) for _, kv in ok], offs, sizes, C) \
             if chunks is not None else [(k, k + 1) for k in range(len(ok))]
@@ -476,7 +505,7 @@ class RestoreExecutor:
             else:
                 x = dev[offs[k]:offs[k] + sizes[k]].view(kv.dtype).view(kv.shape)
                 self.port.write_kv(layer, r, a, x[:, a - c * C:b - c * C])
-        return [i for i, _ in ok]
+        return [i for i, _ in ok], after
 
     def _one_by_one(self, jobs: Sequence[RestoreJob], work: list, st: _Loads) -> Iterator[int]:
         """Stores with only ``get_entry`` (wrappers): each entry read, verified and placed in turn."""

@@ -1,4 +1,4 @@
-"""KV tiers keyed by prefix-chunk hash: memory (LRU), disk (persistent), Redis (shared), link emulation."""
+"""KV tiers keyed by prefix-chunk hash: memory (LRU; pinned: page-locked, DMA loads), disk (persistent), Redis (shared), link emulation."""
 
 from kvtide.store.bandwidth import BandwidthLimitedStore, TokenBucket, gbps
 from kvtide.store.base import (
@@ -17,6 +17,7 @@ from kvtide.store.base import (
 from kvtide.store.disk import DiskStore
 from kvtide.store.keys import ChunkKey, KeySpace, chunk_keys, chunk_tokens
 from kvtide.store.memory import MemoryStore
+from kvtide.store.pinned import PinnedMemoryStore
 
 __all__ = [
     "BandwidthLimitedStore",
@@ -29,6 +30,7 @@ __all__ = [
     "KVStore",
     "KeySpace",
     "MemoryStore",
+    "PinnedMemoryStore",
     "StoreError",
     "StoreStats",
     "StoreUnavailable",

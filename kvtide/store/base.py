@@ -49,7 +49,7 @@ import warnings
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -178,8 +178,14 @@ def _digest(meta: bytes | memoryview, body: bytes | memoryview, version: int = R
     return (zlib.crc32(body, zlib.crc32(meta)) & 0xFFFFFFFF).to_bytes(4, "little") + bytes(12)
 
 
-def encode_record(key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor) -> memoryview:
+def encode_record(
+    key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> memoryview:
     """Serialise one (chunk, layer) entry; returns a read-only byte view of the record.
+
+    ``alloc(nbytes)``: the uint8 CPU tensor to build the record in (a tier's own slot, which saves a copy);
+    default a fresh one.
 
     Built in one torch-allocated buffer: the KV is copied straight into its payload slot by a torch copy and
     hashed by xxhash, both of which release the GIL. A ``b"".join`` of the parts allocates, faults in and copies
@@ -209,7 +215,9 @@ def encode_record(key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray,
     meta += b" " * (-(HEADER_BYTES + len(meta) + len(tok)) % PAYLOAD_ALIGN)  # JSON ignores trailing blanks
     start = HEADER_BYTES + len(meta) + len(tok)  # payload offset, a multiple of PAYLOAD_ALIGN
     nbytes = kv.numel() * kv.element_size()
-    buf = torch.empty(start + nbytes, dtype=torch.uint8)
+    buf = torch.empty(start + nbytes, dtype=torch.uint8) if alloc is None else alloc(start + nbytes)
+    if buf.dtype != torch.uint8 or buf.device.type != "cpu" or buf.numel() != start + nbytes or not buf.is_contiguous():
+        raise ValueError(f"alloc must return a contiguous CPU uint8 tensor of {start + nbytes} bytes")
     arr = buf.numpy()
     arr[HEADER_BYTES:HEADER_BYTES + len(meta)] = np.frombuffer(meta, np.uint8)
     arr[HEADER_BYTES + len(meta):start] = np.frombuffer(tok, np.uint8)
@@ -287,6 +295,16 @@ class Fetched:
     blobs: list[bytes | StoreError]
     nbytes: int
     ready_at: float = 0.0
+    # Blobs that are views of a tier's own memory (``PinnedMemoryStore``) stay valid until ``release``; ``pinned``:
+    # that memory is page-locked, so a device may copy straight out of it (DMA) before the release.
+    lease: Any = None
+    pinned: bool = False
+
+    def release(self, after: Any = None) -> None:
+        """Hand the tier its memory back, at once or once ``after.query()`` is true (a device copy still reading
+        it, e.g. a ``torch.cuda.Event`` recorded behind that copy). Idempotent; a no-op for tiers of plain bytes."""
+        if self.lease is not None:
+            self.lease.release(after)
 
     def wait(self) -> float:
         """Sleep until the bytes have arrived; returns the seconds slept."""

@@ -1,6 +1,7 @@
 """Open a store from a one-line spec, so configs and command lines name tiers the same way everywhere.
 
     memory            in-process LRU (``memory_bytes`` bound)
+    pinned            the same in page-locked host memory (CUDA): loads go to the GPU by DMA, no staging copy
     disk:PATH         one file per entry under PATH (persists across runs)
     redis://HOST:PORT[/DB]   a Redis server (shared by several engines)
 
@@ -16,11 +17,12 @@ from kvtide.store.bandwidth import BandwidthLimitedStore
 from kvtide.store.base import KVStore
 from kvtide.store.disk import DiskStore
 from kvtide.store.memory import MemoryStore
+from kvtide.store.pinned import PinnedMemoryStore
 
 
 def check_spec(spec: str) -> None:
     """Raise ValueError for a spec ``open_store`` would not understand (no connection is made)."""
-    if spec == "memory":
+    if spec in ("memory", "pinned"):
         return
     if spec.startswith("disk:"):
         if not spec[5:]:
@@ -35,7 +37,7 @@ def check_spec(spec: str) -> None:
         if db and not db.isdigit():
             raise ValueError(f"store {spec!r}: redis database must be a number")
         return
-    raise ValueError(f"unknown store {spec!r}: use 'memory', 'disk:PATH' or 'redis://host:port[/db]'")
+    raise ValueError(f"unknown store {spec!r}: use 'memory', 'pinned', 'disk:PATH' or 'redis://host:port[/db]'")
 
 
 def open_tier(spec: str, memory_bytes: int = 1 << 30) -> KVStore:
@@ -43,6 +45,8 @@ def open_tier(spec: str, memory_bytes: int = 1 << 30) -> KVStore:
     check_spec(spec)
     if spec == "memory":
         return MemoryStore(memory_bytes)
+    if spec == "pinned":
+        return PinnedMemoryStore(memory_bytes)
     if spec.startswith("disk:"):
         return DiskStore(spec[5:])
     from kvtide.store.redis_store import RedisStore

@@ -32,6 +32,11 @@ class MemoryStore(KVStore):
             out._used = self._used
         return out
 
+    def records(self) -> list[tuple[str, bytes]]:
+        """(name, record bytes) of every entry, least recently used first (to refill another tier)."""
+        with self._lock:
+            return list(self._data.items())
+
     @property
     def used_bytes(self) -> int:
         return self._used

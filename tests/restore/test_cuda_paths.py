@@ -153,6 +153,41 @@ def test_cuda_failed_load_falls_back():
     eng.block_manager.release(base)
 
 
+def test_cuda_pinned_store_dma_places_prefill_bytes_and_releases_after_the_copies():
+    """Records in page-locked slabs go to the device by DMA straight from the record: the same bytes land, with
+    stealing and with a failure mid-load, and no lease outlives its copies."""
+    from kvtide.restore.executor import LoadConfig
+    from kvtide.store import PinnedMemoryStore
+    from kvtide.store.keys import chunk_keys
+    from tests.restore.restore_helpers import FailAfter
+
+    llm, ids = _setup()
+    eng, r = llm.engine, llm.engine.restorer
+    L = eng.model.args.num_layers
+    base = _prefill_kv(eng, ids[:N])
+    want = _kv(eng, base, N)
+    _finish(r, base, ids)
+    r.writer.flush()
+    keys = chunk_keys(ids[:N], r.keyspace)
+    pinned = PinnedMemoryStore.filled_from(r.store, 256 << 20, slab_bytes=4 << 20)
+    assert pinned.pinned
+    ref, _ = _restore(llm, pinned, ids, keys, [N] * L, LoadConfig())
+    for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2)):
+        res, got = _restore(llm, pinned, ids, keys, [0] * L, load)
+        assert res.failures == [] and res.loaded_tokens == L * N
+        assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want)), load
+        assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+    half = [N if i < L // 2 else N // 2 for i in range(L)]
+    res, _ = _restore(llm, pinned, ids, keys, half, LoadConfig(steal=True))
+    assert res.failures == [] and torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+    res, _ = _restore(llm, FailAfter(pinned, ok=2), ids, keys, [0] * L, LoadConfig())
+    assert res.failures and res.fallback_requests == [0]
+    assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+    torch.cuda.synchronize()
+    assert pinned.leased == 0
+    eng.block_manager.release(base)
+
+
 if __name__ == "__main__":  # a GPU machine without pytest
     import sys
 

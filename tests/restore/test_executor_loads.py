@@ -312,3 +312,22 @@ def test_write_kv_chunks_places_what_per_entry_writes_place(stored) -> None:
     assert torch.equal(got[0], got[1])
     want = chunks.unflatten(2, (CHUNK // runner.page_size, runner.page_size)).transpose(1, 2).flatten(0, 1)
     assert torch.equal(got[1], want)
+
+
+@pytest.mark.parametrize("stair", ["load-only", "staircase"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_store_loads_place_the_prefill_bytes_and_release_every_record(stored, stair: str,
+                                                                             workers: int) -> None:
+    """Zero-copy views of the pinned tier's slabs (ordinary memory here): the same bytes land, behind a link too,
+    and every lease is given back once the restoration ends (a leak would pin records forever)."""
+    from kvtide.store import PinnedMemoryStore
+
+    llm, store, ids, want, keys = stored
+    L = llm.engine.model.args.num_layers
+    pinned = PinnedMemoryStore.filled_from(store, 64 << 20, slab_bytes=1 << 20)
+    js = [0] * L if stair == "load-only" else [min(2, max(0, 2 - i)) * CHUNK for i in range(L)]
+    for tier in (pinned, BandwidthLimitedStore(pinned, TokenBucket(1e10))):
+        res, got = _run(llm, tier, ids, keys, js, LoadConfig(workers=workers))
+        assert res.failures == [] and res.loaded_entries == sum(N // CHUNK - j // CHUNK for j in js)
+        assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
+        assert pinned.leased == 0

@@ -18,6 +18,7 @@ from kvtide.store import (
     KeySpace,
     KVStore,
     MemoryStore,
+    PinnedMemoryStore,
     StoreUnavailable,
     TokenMismatch,
     chunk_keys,
@@ -41,10 +42,10 @@ def toks(c: int) -> list[int]:
 Poke = Callable[[str, bytes], None]
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
+@pytest.fixture(params=["memory", "pinned", "disk", "redis"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[KVStore, Poke, Callable[[str], bytes]]]:
-    if request.param == "memory":
-        s = MemoryStore(1 << 24)
+    if request.param in ("memory", "pinned"):
+        s = MemoryStore(1 << 24) if request.param == "memory" else PinnedMemoryStore(1 << 24, slab_bytes=1 << 20)
         yield s, s._poke, s._read
     elif request.param == "disk":
         s = DiskStore(tmp_path / "kv")
