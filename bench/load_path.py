@@ -7,7 +7,8 @@ Verify + stage run on ``workers`` threads. This bench times each piece on this m
 default and at 1 (a torch ``copy_`` of a 2 MiB tensor may fan out to the intra-op pool from every worker at once),
 and then the whole verify + stage + copy pipeline alone and beside a thread that launches a replay-like stream of
 device work from Python (what the compute thread does during a staircase), which is the "loads run slower beside a
-staircase" case of ``bench/restore.py``.
+staircase" case of ``bench/restore.py``. Last, on CUDA, the whole host path of the two host tiers side by side: the
+memory tier (verify + stage + one copy) and the pinned tier (``--store pinned``: verify, then DMA from the record).
 
     python bench/load_path.py --out bench/results/load_path_<machine>.json
 """
@@ -112,6 +113,50 @@ def replay_like(stop: threading.Event, counter: list[int]) -> None:
         counter[0] += 1
 
 
+def pinned_tier(store: MemoryStore, items: list, reps: int, nbytes: int) -> dict:
+    """The executor's whole host path per fetch, both tiers, with 1/2/4 workers, alone and beside compute:
+    memory tier = verify + stage (workers) then one H2D; pinned tier = verify (workers) then one H2D per entry
+    straight from its record (DMA), as ``_place_cuda(direct=True)`` does."""
+    from kvtide.store.pinned import PinnedMemoryStore
+
+    pinned = PinnedMemoryStore.filled_from(store, store.capacity_bytes)
+    f = pinned.fetch([(k, 0) for k, _ in items])
+    pp = Pieces(store, items, True)
+    kv = [pinned.open(b, k, 0, t, copy=False).tensor for b, (k, t) in zip(f.blobs, items)]
+    dev = torch.empty(pp.payload, dtype=torch.uint8, device="cuda")
+
+    def memory_path(w: int) -> None:
+        pp.run(w, pp.verify_stage)
+        pp.h2d()
+
+    def pinned_path(w: int) -> None:
+        def verify(i: int) -> None:
+            k, t = items[i]
+            pinned.open(f.blobs[i], k, 0, t, copy=False)
+        pp.run(w, verify)
+        for i, x in enumerate(kv):
+            dev[pp.offs[i]:pp.offs[i + 1]].copy_(x.reshape(-1).view(torch.uint8), non_blocking=True)
+        torch.cuda.synchronize()
+
+    out: dict = {"pinned": pinned.pinned}
+    for beside in (False, True):
+        stop, counter = threading.Event(), [0]
+        th = threading.Thread(target=replay_like, args=(stop, counter), daemon=True) if beside else None
+        if th is not None:
+            th.start()
+            time.sleep(0.2)
+        for w in (1, 2, 4):
+            for name, fn in (("memory_verify_stage_h2d", memory_path), ("pinned_verify_dma", pinned_path)):
+                key = f"{name}_{w}_workers_{'beside_compute' if beside else 'alone'}_gbps"
+                out[key] = nbytes / timed(lambda: fn(w), reps) / 1e9  # noqa: B023
+                print(key, round(out[key], 2))
+        if th is not None:
+            stop.set()
+            th.join()
+    f.release()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=64, help="2 MiB entries per pass")
@@ -156,6 +201,7 @@ def main() -> int:
             print(threads, pipe[f"threads_{threads}"])
         torch.set_num_threads(default_threads)
         out["beside_compute"] = pipe
+        out["pinned_tier"] = pinned_tier(store, items, a.reps, p.nbytes)
     out["meta"] = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(),
                    "cpus": os.cpu_count(), "torch": torch.__version__, "default_torch_threads": default_threads,
                    "gpu": torch.cuda.get_device_name() if cuda else None, "entries": a.entries,

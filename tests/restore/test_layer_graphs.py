@@ -146,16 +146,21 @@ def _two_turns_ids(llm, seed: int, extra: int, first: int = 100, out: int = 3) -
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_layer_graphs_restore_the_eager_tokens():
-    """Captured graphs on the GPU: every method restores to the tokens the eager layer calls give (fp32 model)."""
+@pytest.mark.parametrize("compress", [False, True])
+def test_cuda_layer_graphs_restore_the_eager_tokens(compress: bool):
+    """Captured graphs on the GPU: every method restores to the tokens the eager layer calls give (fp32 model);
+    compress=True: bf16 KV in the ZipFusion pool, attention between the graphed halves by the zip kernel."""
     from kvtide import LLM, CacheConfig
     from kvtide.config import RestoreConfig
 
     out = {}
     for graphs in (False, True):
         llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0, cuda_graphs=graphs,
-                  cache=CacheConfig(kv_dtype="float32", enable_prefix_caching=False, num_pages=256),
+                  cache=CacheConfig(kv_dtype="bfloat16" if compress else "float32", compress=compress,
+                                    enable_prefix_caching=False, num_pages=256),
                   restore=RestoreConfig(chunk_tokens=CHUNK))
+        if compress:
+            assert llm.engine.runner.attention.kernel.__name__.endswith("zip_attention_cuda")
         fresh_store(llm)
         b, ref = _two_turns_ids(llm, 1, extra=12)
         c, ref_c = _two_turns_ids(llm, 2, extra=9)
