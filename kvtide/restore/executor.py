@@ -185,6 +185,11 @@ class RestoreResult:
     suffix_seconds: float = 0.0  # suffix layers, not counting waits
     wait_seconds: float = 0.0  # compute thread idle, waiting for loads
     load_seconds: float = 0.0  # I/O thread: first load start -> last load end
+    # the plan's own loads (before any stealing): what the load-rate estimate learns from. Stolen chunks go one at a
+    # time, the link idle while each is verified and placed, so a rate over them understates what a plan's
+    # pipelined loads get; plans made with it recompute more and leave the link idle for more stealing
+    planned_load_seconds: float = 0.0
+    planned_load_bytes: int = 0
     link_wait_seconds: float = 0.0  # I/O thread idle, waiting for bytes to cross the (emulated) link
     overhead_seconds: float = 0.0  # total minus the compute thread's recompute + suffix + waits
     load_batches: int = 0
@@ -223,6 +228,8 @@ class _Loads:
         self.stop = threading.Event()
         self.t_start = 0.0
         self.t_end = 0.0
+        self.t_planned = 0.0  # the plan's loads in (host clock), before stealing
+        self.planned_bytes = 0
         self.bytes = 0
         self.entries = 0
         self.tokens = 0
@@ -311,6 +318,9 @@ class RestoreExecutor:
                     if st.stop.is_set():
                         return
                 if self.load.steal and hasattr(self.store, "fetch"):
+                    if cuda:
+                        stream.synchronize()  # the plan's copies are done: their end, for the rate estimate
+                    st.t_planned, st.planned_bytes = time.perf_counter(), st.bytes
                     self._steal(jobs, st, stream)
         except BaseException as e:  # never leave the compute thread waiting
             st.crash = e
@@ -318,6 +328,8 @@ class RestoreExecutor:
             if cuda:
                 stream.synchronize()
             st.t_end = time.perf_counter()
+            if not st.t_planned:
+                st.t_planned, st.planned_bytes = st.t_end, st.bytes
             for ev in st.ready:
                 ev.set()
 
@@ -575,7 +587,10 @@ class RestoreExecutor:
         res.load_bytes, res.loaded_entries, res.loaded_tokens = st.bytes, st.entries, st.tokens
         res.load_batches, res.link_wait_seconds, res.stolen_tokens = st.batches, st.link_wait, st.stolen
         res.boundaries = [list(b) for b in st.bounds]
-        res.load_seconds = max(0.0, st.t_end - st.t_start) if any(j.boundaries[-1] < j.cached for j in jobs) else 0.0
+        loads = any(j.boundaries[-1] < j.cached for j in jobs)
+        res.load_seconds = max(0.0, st.t_end - st.t_start) if loads else 0.0
+        res.planned_load_seconds = max(0.0, st.t_planned - st.t_start) if loads else 0.0
+        res.planned_load_bytes = st.planned_bytes
 
         last: dict[int, torch.Tensor] = {}
         if alive:
@@ -591,8 +606,8 @@ class RestoreExecutor:
             torch.cuda.current_stream(port.device).synchronize()
         res.total_seconds = time.perf_counter() - t0
         self._times(jobs, res, clock, stair, suffix_start, suffix_marks, profile)
-        if profile is not None and res.load_bytes and res.load_seconds > 0:
-            profile.observe_load(res.load_bytes, res.load_seconds, overlapped=res.recompute_seconds > 0)
+        if profile is not None and res.planned_load_bytes and res.planned_load_seconds > 0:
+            profile.observe_load(res.planned_load_bytes, res.planned_load_seconds, overlapped=res.recompute_seconds > 0)
         return res
 
     def _times(self, jobs: Sequence[RestoreJob], res: RestoreResult, clock: "_Clock", stair: list,

@@ -130,13 +130,14 @@ class SlowStaircase:
         return getattr(self.port, name)
 
 
-def _steal_run(llm, store, ids, keys, js, steal: bool, delay: float = 0.02):
+def _steal_run(llm, store, ids, keys, js, steal: bool, delay: float = 0.02, profile=None):
     eng = llm.engine
     seq = Sequence(f"s{time.perf_counter_ns()}", None, list(ids), greedy(1))
     assert eng.block_manager.allocate(seq, len(ids))
     with torch.inference_mode():
         res = RestoreExecutor(SlowStaircase(EnginePort(eng.runner, [seq]), delay), store, CHUNK,
-                              LoadConfig(steal=steal)).run([RestoreJob(ids, 0, N, len(ids), keys, js)])
+                              LoadConfig(steal=steal)).run([RestoreJob(ids, 0, N, len(ids), keys, js)],
+                                                           profile=profile)
     got = _prefix_kv(eng, seq, N)
     eng.block_manager.release(seq)
     return res, got
@@ -160,6 +161,26 @@ def test_idle_link_steals_recompute_and_the_result_is_unchanged(stored) -> None:
         assert torch.allclose(g[:j].float(), w[:j].float(), atol=0.05, rtol=0.02)
     assert torch.allclose(res.logits, slow.logits, atol=0.05, rtol=0.02)
     assert res.logits.argmax(-1).tolist() == slow.logits.argmax(-1).tolist()
+
+
+def test_the_load_rate_is_learned_from_the_plans_loads_not_the_stolen_ones(stored) -> None:
+    """Stolen chunks go one at a time, the link idle while each is verified and placed; a plan's loads keep it busy
+    (read-ahead). Counting the steals in the rate would understate what a plan's loads get, and plans made with it
+    would recompute more and leave the link idle for more stealing."""
+    from kvtide.restore.profile import LatencyProfile
+
+    llm, store, ids, _, keys = stored
+    L = llm.engine.model.args.num_layers
+    entry = len(store._read(keys[0].entry_name(0)))
+    link = SlowOpen(BandwidthLimitedStore(store, TokenBucket(entry / 0.004)), 0.003)  # 4 ms link, 3 ms verify
+    prof = LatencyProfile()
+    res, _ = _steal_run(llm, link, ids, keys, [N - CHUNK] * L, steal=True, profile=prof)  # plan loads one chunk
+    assert res.stolen_tokens > 0 and res.failures == []
+    assert 0 < res.planned_load_bytes < res.load_bytes and 0 < res.planned_load_seconds < res.load_seconds
+    assert prof.overlap_bandwidth == pytest.approx(res.planned_load_bytes / res.planned_load_seconds)
+    assert prof.overlap_bandwidth > 1.3 * res.load_bytes / res.load_seconds  # what the whole span would have said
+    plain, _ = _steal_run(llm, store, ids, keys, [N - CHUNK] * L, steal=False)
+    assert plain.planned_load_bytes == plain.load_bytes and plain.planned_load_seconds == plain.load_seconds
 
 
 def test_a_failed_stolen_load_falls_back(stored) -> None:
