@@ -369,7 +369,8 @@ def record_row(rec) -> dict:
             "recompute_s": rec.recompute_seconds, "load_s": rec.load_seconds, "wait_s": rec.wait_seconds,
             "suffix_s": rec.suffix_seconds, "overhead_s": rec.overhead_seconds,
             "link_wait_s": rec.link_wait_seconds, "load_bytes": rec.load_bytes, "load_batches": rec.load_batches,
-            "stolen_tokens": rec.stolen_tokens,
+            "stolen_tokens": rec.stolen_tokens, "planned_load_s": rec.planned_load_seconds,
+            "planned_load_bytes": rec.planned_load_bytes,
             "planning_s": rec.planning_seconds, "boundaries": rec.boundaries, "cached": rec.cached,
             "suffix": rec.suffix, "bandwidth_assumed": rec.bandwidth}
 

@@ -109,6 +109,8 @@ class RestoreRecord:
     predicted_fixed_seconds: float = 0.0
     stolen_tokens: int = 0  # (request, layer) tokens the idle link took over from recompute at run time
     load_batches: int = 0  # store fetches (round trips) the loads took
+    planned_load_seconds: float = 0.0  # the plan's own loads, before stealing (what the rate estimate learns)
+    planned_load_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -467,7 +469,8 @@ class Restorer:
             predicted_suffix_seconds=(plan.predicted_load_seconds - plan.load_bytes / self.plan_bandwidth),
             predicted_fixed_seconds=plan.predicted_seconds - max(plan.predicted_compute_seconds,
                                                                  plan.predicted_load_seconds),
-            stolen_tokens=res.stolen_tokens, load_batches=res.load_batches))
+            stolen_tokens=res.stolen_tokens, load_batches=res.load_batches,
+            planned_load_seconds=res.planned_load_seconds, planned_load_bytes=res.planned_load_bytes))
 
     def close(self) -> None:
         if self.writer is not None:
