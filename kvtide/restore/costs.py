@@ -82,7 +82,9 @@ class ExecutorReplayTime:
         x = np.asarray(t)
         v = np.asarray(self.base(x) if getattr(self.base, "vectorized", False)
                        else [float(self.base(int(a))) for a in x.ravel()], dtype=np.float64).reshape(x.shape)
-        return np.where(x > 0, self.scale * np.maximum(v - share, 0.0), 0.0)
+        if share:  # none for one request (v - 0.0 is v)
+            v = v - share
+        return np.where(x > 0, self.scale * np.maximum(v, 0.0), 0.0)
 
 
 @dataclass(frozen=True)
@@ -164,26 +166,24 @@ def replay_times(fn: ReplayTime, tokens: Sequence[int] | np.ndarray) -> np.ndarr
         uniq, inv = np.unique(flat, return_inverse=True)
         u = np.fromiter((float(fn(int(x))) for x in uniq), dtype=np.float64, count=uniq.size)
         vals = u[inv.ravel()]
-    if not (vals.min() >= 0 and vals.max() < np.inf):  # NaN fails both
+    # the values at argmin/argmax, not min()/max(): a ufunc reduction costs several times more on arrays this small
+    # (the planner calls this on every plan); both pick a NaN, which fails both tests
+    if not (vals[vals.argmin()] >= 0 and vals[vals.argmax()] < np.inf):
         raise ValueError("replay_time must return finite values >= 0")
     if flat.size > 1:
-        order = None if (flat[1:] >= flat[:-1]).all() else flat.argsort(kind="stable")
-        sv = vals if order is None else vals[order]
-        if not (sv[1:] >= sv[:-1]).all():
+        order = flat.argsort(kind="stable")  # equal counts keep their order; cheaper than testing for sorted input
+        sv = vals[order]
+        if np.count_nonzero(sv[1:] < sv[:-1]):  # no NaN here: the same test as "not all >="
             drop = sv[1:] - sv[:-1]
             scale = max(float(sv.max()), 1e-300)
             if (drop < -1e-9 * scale).any():
                 i = int(np.argmin(drop))
-                st = flat if order is None else flat[order]
+                st = flat[order]
                 raise ValueError(
                     f"replay_time must be nondecreasing: F({st[i]})={sv[i]!r} > F({st[i + 1]})={sv[i + 1]!r}"
                 )
-            fixed = np.maximum.accumulate(sv)
-            if order is None:
-                vals = fixed
-            else:
-                vals = np.empty_like(vals)
-                vals[order] = fixed
+            vals = np.empty_like(vals)
+            vals[order] = np.maximum.accumulate(sv)
     return vals.reshape(t.shape)
 
 
@@ -246,14 +246,24 @@ def validate_staircase(
 
 def price_staircase(
     N: np.ndarray, J: np.ndarray, FJ: np.ndarray, sigma: np.ndarray, cost: BlockCost, bandwidth: float,
-    has_suffix: bool = False,
+    has_suffix: bool = False, sig: float | None = None,
 ) -> StaircaseCost:
-    """Objective parts from arrays: N [r], boundaries J and their F values FJ [r, block], sigma [r]."""
+    """Objective parts from arrays: N [r], boundaries J and their F values FJ [r, block], sigma [r]; ``sig``, the
+    suffix seconds per block (sum sigma + the suffix call), where the caller has it already (the planner does)."""
     s, R = cost.kv_bytes_per_token, cost.state_bytes
     Nc = N[:, None]
-    P_r = FJ.sum(1)
+    # recompute seconds and load bytes per [request, block] side by side, so that each level of sums is one numpy
+    # call (their fixed cost dominates at these sizes); every row is still summed alone: the same floats
+    parts = np.empty((2,) + J.shape)
+    parts[0] = FJ
     loaded = Nc - J
-    Q_r = (s * loaded + R * (J < Nc) if R else s * loaded).sum(1)  # R = 0: the same floats, fewer numpy calls
+    if R:
+        parts[1] = s * loaded + R * (J < Nc)
+    else:  # the same floats, fewer numpy calls
+        np.multiply(s, loaded, out=parts[1])
+    rows = parts.sum(2)  # [P_r, Q_r]
+    (P, Q), (P_r, Q_r) = rows.sum(1).tolist(), rows.tolist()
+    L = J.shape[1]
     per = tuple(
         RequestCost(
             recompute_seconds=p,
@@ -261,14 +271,12 @@ def price_staircase(
             load_seconds=q / bandwidth,
             suffix_seconds_per_block=sg,
             recomputed_tokens=rt,
-            loaded_tokens=lt,
+            loaded_tokens=L * n - rt,  # sum of N - j, exactly (integers)
         )  # Python scalars from .tolist(): batches are small and indexing arrays per field costs more
-        for p, q, sg, rt, lt in zip(
-            P_r.tolist(), Q_r.tolist(), sigma.tolist(), J.sum(1).tolist(), loaded.sum(1).tolist()
-        )
+        for p, q, sg, rt, n in zip(P_r, Q_r, sigma.tolist(), J.sum(1).tolist(), N.tolist())
     )
-    P, Q = float(P_r.sum()), float(Q_r.sum())
-    sig = float(sigma.sum()) + suffix_call(cost, sigma.size > 0 and has_suffix)
+    if sig is None:
+        sig = float(sigma.sum()) + suffix_call(cost, sigma.size > 0 and has_suffix)
     return StaircaseCost(
         compute_seconds=P + cost.num_blocks * sig,
         load_seconds=Q / bandwidth + sig,

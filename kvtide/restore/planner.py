@@ -35,6 +35,7 @@ staircase on the chunk grid. With only R rounded (tau divides every N_r) this is
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,29 @@ __all__ = [
 
 DEFAULT_MAX_DP_WORK = 20_000_000
 _BASE_OFFSETS = np.array([[2], [1], [0]])  # candidate base levels below the crossing (``_solve_fast``)
+
+
+# Shape-only constants of the solvers, built once per shape (plans repeat shapes) and read-only: each np.arange or
+# table costs about what the arithmetic on it does at these sizes.
+
+
+@functools.lru_cache(maxsize=128)
+def _frange(n: int) -> np.ndarray:
+    """0.0, 1.0, ..., n - 1."""
+    a = np.arange(n, dtype=np.float64)
+    a.setflags(write=False)
+    return a
+
+
+@functools.lru_cache(maxsize=64)
+def _single_table(L: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``_solve_single``: chunks loaded at m = k q, L K - k q for k = 1..L (rows) and q = 1..K, and the flat
+    index where each row starts."""
+    left = L * K - _frange(L + 1)[1:, None] * np.arange(1, K + 1)
+    rows = np.arange(0, L * K, K)
+    for a in (left, rows):
+        a.setflags(write=False)
+    return left, rows
 
 
 @dataclass
@@ -163,9 +187,8 @@ def plan(
     # F in one call (it may be a profile) at the grid min(i C, max N) for i = 0..kmax, then at N, then at N + Ns
     grid_tokens = [*range(0, kmax * C, C), max(Nl)]
     vals = replay_times(cost.replay_time, grid_tokens + Nl + [a + b for a, b in zip(Nl, Nsl)])
+    # replay_times raises unless F is nondecreasing in the tokens (and evens out float noise), so F(N + Ns) >= F(N)
     f_grid, fN, fNs = vals[: kmax + 1], vals[kmax + 1:kmax + 1 + n], vals[kmax + 1 + n:]
-    if (fNs < fN).any():
-        raise ValueError("replay_time must be nondecreasing (F(N + Ns) < F(N))")
     sigma = (fNs - fN) * cost.suffix_scale
     has_suffix = any(Nsl)
     sig = float(sigma.sum()) + suffix_call(cost, has_suffix)
@@ -183,11 +206,12 @@ def plan(
     else:
         cnt, bound = _solve_dp(st, f_grid, fN, max_dp_work)
         name = "dp"
-    # cnt: grid index per [request, block], non-increasing along each row (already a staircase)
+    # cnt: grid index per [request, block], non-increasing along each row (already a staircase), at most
+    # ceil(N_r / C) <= kmax; only the DP's last grid point of an off-grid N is past N
     Nc = N[:, None]
-    J = np.minimum(cnt * C, Nc)
-    FJ = np.where(J == Nc, fN[:, None], f_grid[np.minimum(cnt, kmax)])
-    ev = price_staircase(N, J, FJ, sigma, cost, B, has_suffix)
+    J = cnt * C if name == "fast" else np.minimum(cnt * C, Nc)
+    FJ = np.where(J == Nc, fN[:, None], f_grid[cnt])
+    ev = price_staircase(N, J, FJ, sigma, cost, B, has_suffix, sig=sig)
     return Plan.from_cost(
         J.tolist(),
         ev,
@@ -208,8 +232,9 @@ def _fast_applies(st: _Setup, f: np.ndarray) -> bool:
     h = f[1:]
     if h.size < 3:
         return True
-    d2 = h[2:] - 2 * h[1:-1] + h[:-2]
-    return float(d2.min()) >= -1e-12 * max(float(h[-1]), 1e-300)
+    d2 = h[2:] - 2.0 * h[1:-1] + h[:-2]  # 2.0: numpy converts a Python int operand at more cost (same floats)
+    # d2[argmin]: the min without a ufunc reduction, which costs several times more on an array this small
+    return float(d2[d2.argmin()]) >= -1e-12 * max(float(h[-1]), 1e-300)
 
 
 def _solve_single(st: _Setup, f: np.ndarray) -> np.ndarray:
@@ -227,30 +252,36 @@ def _solve_single(st: _Setup, f: np.ndarray) -> np.ndarray:
         return out
     u = st.s * C / st.B  # load seconds per chunk
     h = f[1:K + 1]
-    k = np.arange(1, L + 1, dtype=np.float64)
+    k = _frange(L + 1)[1:]
+    left, rows = _single_table(L, K)
     comp = st.c1 + k[:, None] * h  # [L, K], at m = k q
-    load = st.c2 + (L * K - k[:, None] * np.arange(1, K + 1)) * u
+    load = st.c2 + left * u
     # compute rises and load falls in q, so levels with compute <= load are a prefix; the segment starts at
-    # level qi (none: at q = 1, m = k), where compute and load are the table entries [k, qi - 1]
-    qi = np.maximum((comp <= load).sum(1), 1)
-    at = qi + np.arange(-1, L * K - 1, K)
+    # level qi = q0 + 1 (none: at q = 1, m = k), where compute and load are the table entries [k, q0]; q0 counts
+    # the prefix among levels 2..K only (with level 1 in it or not, the segment starts there at the earliest)
+    q0 = (comp[:, 1:] <= load[:, 1:]).sum(1)
+    at = q0 + rows
     c0, l0 = comp.take(at), load.take(at)
-    top = qi < K  # a level above qi exists
-    dh = np.concatenate((h[1:] - h[:-1], (np.inf,))).take(qi - 1)  # slope per extra chunk above level qi
+    top = q0 < K - 1  # a level above qi exists
+    # slope per extra chunk above level qi; 0 where there is no level above it, where t is capped at 0 below and
+    # T takes no slope
+    dh = np.zeros(K)
+    np.subtract(h[1:], h[:-1], out=dh[:-1])
+    dh = dh.take(q0)
     # the linear crossing, in [0, k] chunks above level qi (>= 0, so only the upper clip matters, and floor
     # and ceil of a value in [0, k] stay in it)
     t = np.minimum(np.maximum(l0 - c0, 0.0) / (dh + u), k * top)
     cand = np.empty((2, L))
     np.floor(t, out=cand[0])
     np.ceil(t, out=cand[1])
-    T = np.maximum(c0 + cand * np.where(top, dh, 0.0), l0 - cand * u)  # [2, L]
+    T = np.maximum(c0 + cand * dh, l0 - cand * u)  # [2, L]
     row, col = divmod(int(T.argmin()), L)
     all_load = max(st.c1, st.c2 + L * K * u)
     if all_load <= float(T[row, col]):
         return out
-    level, extra = int(qi[col]), int(cand[row, col])
-    out[0, :col + 1] = level
-    out[0, :extra] += 1
+    level, extra = int(q0[col]) + 1, int(cand[row, col])  # extra <= k = col + 1
+    out[0, :extra] = level + 1
+    out[0, extra:col + 1] = level
     return out
 
 
@@ -264,7 +295,9 @@ def _solve_fast(st: _Setup, f: np.ndarray) -> np.ndarray:
 
     Work is vectorised over k; m[g, k] (on-blocks of group g) is full before group grp[k], pk[k] in it and 0
     after it, so a sum over g taken in group order is a prefix over the full groups (a small [group, level]
-    table) plus pk times the grp[k] term: the same floats as summing m over every group, for less work.
+    table) plus pk times the grp[k] term: the same floats as summing m over every group, for less work. With
+    one cap (a batch of equal requests, the usual call) there are no full groups and pk = k: that case skips
+    the tables and computes the same floats directly (each table sum only added 0.0 to a term >= 0).
     """
     L, C, n = st.L, st.C, len(st.Nl)
     K = [v // C for v in st.Nl]
@@ -276,79 +309,94 @@ def _solve_fast(st: _Setup, f: np.ndarray) -> np.ndarray:
     ends_l = list(itertools.accumulate(sizes_l))
     ng, total, Q = len(caps_l), ends_l[-1], caps_l[0]  # Q levels 0..qtop
     qtop = Q - 1
-    # per cap interval j: [lowest level, highest level (capp_j = K_j - 1), on-blocks up to group j]
-    by_j = np.array([caps_l[1:] + [0], [c - 1 for c in caps_l], ends_l])
-    capp, ends = by_j[1], by_j[2]
-    sizes = np.array(sizes_l, dtype=np.float64)
     h = f[1:]  # h[c'] = F((c'+1) C)
-    dh = h[1:] - h[:-1] if h.size > 1 else np.zeros(1)
+    # dh[q] = h[q+1] - h[q], 0 at the top: read where an on-block is below its cap (q < cap <= h.size - 1), and
+    # elsewhere only times a zero step (h is finite and nondecreasing, so 0 * dh adds exactly 0)
+    dh = np.zeros(h.size)
+    np.subtract(h[1:], h[:-1], out=dh[:-1])
     unit_s = st.s * C / st.B  # seconds of load per avoided chunk
-    ks = np.arange(total + 1)
-    kf = ks.astype(np.float64)
-    grp = np.minimum(ends.searchsorted(ks, side="right"), ng - 1)
-    pk = kf - (ends - sizes).take(grp)  # on-blocks in group grp[k]
+    kf = _frange(total + 1)
 
     # Crossing level per k: compute >= load  <=>  Psi_k(q) = sum_g m_gk psi(min(capp_g, q)) >= rhs_k with
     # psi(q) = h(q) + u q strictly increasing, so one searchsorted per k inside the right cap interval.
-    psi = h + unit_s * np.arange(h.size)
+    psi = h + unit_s * _frange(h.size)
     rhs = st.A0 / st.B + st.c2 - st.c1 - unit_s * kf
-    at_caps = psi[np.minimum(capp[:, None], capp)]  # [j, g] = [g, j]: psi(min(capp_g, capp_j))
-    pref = np.zeros((ng, ng + 1))  # [j, p]: sum over the full groups g < p
-    np.add.accumulate(at_caps * sizes, axis=1, out=pref[:, 1:])
-    Psi_caps = pref.take(grp, axis=1) + pk * at_caps.take(grp, axis=1)  # [j, k] = Psi_k(capp_j)
-    # intervals in increasing q: j = ng-1 covers [0, capp_{ng-1}], j < ng-1 covers [capp_{j+1}+1, capp_j];
-    # Psi_caps falls in j, so the j where it reaches rhs are a prefix and the crossing is in the last of them
-    first = (Psi_caps >= rhs - 1e-12 * np.abs(rhs)).sum(0) - 1
-    j = np.maximum(first, 0)
-    lo_j, cap_j, end_j = by_j.take(j, axis=1)
-    free = np.minimum(kf, end_j)  # on-blocks still below their cap in interval j (>= 1 for k >= 1)
-    sat = 0.0  # sum over the groups after j of m psi(capp_g), accumulated from the last group
-    if ng > 1:
+    if ng == 1:
+        # one interval [0, qtop], Psi_k(qtop) = k psi(qtop), and no full groups before the one group
+        crosses = kf * psi[qtop] >= rhs - 1e-12 * np.abs(rhs)
+        target = rhs / np.maximum(kf, 1.0)
+        target[0] = -np.inf  # k = 0: nothing to place
+        qs = np.where(crosses, np.minimum(psi.searchsorted(target), qtop), Q)
+        base = np.minimum(np.maximum(qs - _BASE_OFFSETS, 0), qtop)  # [3, k], as below
+        comp0 = kf * h[base] + st.c1
+        X0 = kf + kf * base
+        seg = kf * (base < qtop)
+    else:
+        # per cap interval j: [lowest level, highest level (capp_j = K_j - 1), on-blocks up to group j]
+        by_j = np.array([caps_l[1:] + [0], [c - 1 for c in caps_l], ends_l])
+        capp, ends = by_j[1], by_j[2]
+        sizes = np.array(sizes_l, dtype=np.float64)
+        ks = np.arange(total + 1)
+        grp = np.minimum(ends.searchsorted(ks, side="right"), ng - 1)
+        pk = kf - (ends - sizes).take(grp)  # on-blocks in group grp[k]
+        at_caps = psi[np.minimum(capp[:, None], capp)]  # [j, g] = [g, j]: psi(min(capp_g, capp_j))
+        pref = np.zeros((ng, ng + 1))  # [j, p]: sum over the full groups g < p
+        np.add.accumulate(at_caps * sizes, axis=1, out=pref[:, 1:])
+        Psi_caps = pref.take(grp, axis=1) + pk * at_caps.take(grp, axis=1)  # [j, k] = Psi_k(capp_j)
+        # intervals in increasing q: j = ng-1 covers [0, capp_{ng-1}], j < ng-1 covers [capp_{j+1}+1, capp_j];
+        # Psi_caps falls in j, so the j where it reaches rhs are a prefix and the crossing is in the last of them
+        first = (Psi_caps >= rhs - 1e-12 * np.abs(rhs)).sum(0) - 1
+        j = np.maximum(first, 0)
+        lo_j, cap_j, end_j = by_j.take(j, axis=1)
+        free = np.minimum(kf, end_j)  # on-blocks still below their cap in interval j (>= 1 for k >= 1)
+        # sum over the groups after j of m psi(capp_g), accumulated from the last group
         m = np.minimum(np.maximum(kf - (ends - sizes)[:, None], 0.0), sizes[:, None])  # [g, k]
         mv = m * psi.take(capp)[:, None]
         acc = np.zeros((ng + 1, total + 1))
         for g in range(ng - 1, -1, -1):
             np.add(acc[g + 1], mv[g], out=acc[g])
         sat = acc.take((j + 1) * (total + 1) + ks)
-    free[0] = 1.0
-    target = (rhs - sat) / free
-    target[0] = -np.inf  # k = 0: nothing to place
-    qs = np.where(first >= 0, np.minimum(np.maximum(psi.searchsorted(target), lo_j), cap_j), Q)
+        free[0] = 1.0
+        target = (rhs - sat) / free
+        target[0] = -np.inf  # k = 0: nothing to place
+        qs = np.where(first >= 0, np.minimum(np.maximum(psi.searchsorted(target), lo_j), cap_j), Q)
 
-    # Refine inside the segment below the crossing (and its neighbours, against rounding at the boundary):
-    # rows are the three candidate base levels, columns k; [group, level] tables read at (grp[k], base).
-    base = np.minimum(np.maximum(qs - _BASE_OFFSETS, 0), qtop)
-    levels = np.arange(Q)
-    # per group g and level q, for one on-block (odd rows) and summed over the full groups before g in group
-    # order (even rows): recompute, chunks above its first, and whether it is below its cap
-    tab = np.empty((6, ng, Q))
-    lvl = np.minimum(capp[:, None], levels)
-    tab[1] = h[lvl]
-    tab[3] = lvl
-    tab[5] = capp[:, None] > levels
-    tab[0:6:2, 0] = 0.0
-    np.add.accumulate(tab[1:6:2, :-1] * sizes[:-1, None], axis=1, out=tab[0:6:2, 1:])
-    G = tab.reshape(6, -1).take(grp * Q + base, axis=1)  # [6, 3, k]
-    if ng < 8:  # numpy adds fewer than 8 terms in order: this is its sum of m * recompute over the groups
-        comp0 = G[0] + pk * G[1] + st.c1
-    else:  # it adds 8 or more pairwise: sum all [3, k, g] terms the same way
-        terms = tab[1].T.take(base, axis=0)
-        terms *= m.T
-        comp0 = terms.sum(2) + st.c1
-    X0 = kf + (G[2] + pk * G[3])  # integers: exact in any order
-    seg = G[4] + pk * G[5]
+        # rows are the three candidate base levels, columns k; [group, level] tables read at (grp[k], base).
+        base = np.minimum(np.maximum(qs - _BASE_OFFSETS, 0), qtop)
+        levels = np.arange(Q)
+        # per group g and level q, for one on-block (odd rows) and summed over the full groups before g in group
+        # order (even rows): recompute, chunks above its first, and whether it is below its cap
+        tab = np.empty((6, ng, Q))
+        lvl = np.minimum(capp[:, None], levels)
+        tab[1] = h[lvl]
+        tab[3] = lvl
+        tab[5] = capp[:, None] > levels
+        tab[0:6:2, 0] = 0.0
+        np.add.accumulate(tab[1:6:2, :-1] * sizes[:-1, None], axis=1, out=tab[0:6:2, 1:])
+        G = tab.reshape(6, -1).take(grp * Q + base, axis=1)  # [6, 3, k]
+        if ng < 8:  # numpy adds fewer than 8 terms in order: this is its sum of m * recompute over the groups
+            comp0 = G[0] + pk * G[1] + st.c1
+        else:  # it adds 8 or more pairwise: sum all [3, k, g] terms the same way
+            terms = tab[1].T.take(base, axis=0)
+            terms *= m.T
+            comp0 = terms.sum(2) + st.c1
+        X0 = kf + (G[2] + pk * G[3])  # integers: exact in any order
+        seg = G[4] + pk * G[5]
+
+    # Refine inside the segment below the crossing (and its neighbours, against rounding at the boundary): rows
+    # of base are the three candidate base levels, columns k.
     load0 = (st.A0 - st.s * C * X0) / st.B + st.c2
-    slope = np.where(seg > 0, dh.take(np.minimum(base, dh.size - 1)), 0.0)
+    slope = dh.take(base)
     tstar = np.maximum(load0 - comp0, 0.0) / (slope + unit_s)
     tt = np.empty((2,) + tstar.shape)  # floor and ceil of the crossing, at most the segment
     np.floor(tstar, out=tt[0])
     np.ceil(tstar, out=tt[1])
     np.minimum(tt, seg, out=tt)
     Tt = np.maximum(comp0 + tt * slope, load0 - tt * unit_s).reshape(6, -1)  # [floor/ceil x base, k]
-    kb = int(Tt.min(0).argmin())
-    pick = int(Tt[:, kb].argmin())
+    # the least k, then the first of its six candidates, that reaches the minimum: argmin over [k, candidate]
+    kb, pick = divmod(int(Tt.T.argmin()), 6)
     q = int(base[pick % 3, kb])
-    extra = int(tt.reshape(6, -1)[pick, kb].astype(np.int64))
+    extra = int(tt.reshape(6, -1)[pick, kb])
 
     # Hand the chosen multiset back to requests: on-blocks go to the largest caps first.
     left = kb
@@ -358,11 +406,11 @@ def _solve_fast(st: _Setup, f: np.ndarray) -> np.ndarray:
         n_on = min(L, left)
         left -= n_on
         cg = K[r] - 1
-        out[r, :n_on] = 1 + min(cg, q)
-        if cg > q and extra:
-            add = min(extra, n_on)
-            out[r, :add] += 1
-            extra -= add
+        add = min(extra, n_on) if cg > q else 0  # blocks one chunk above the level (few: most rows have none)
+        if add:
+            out[r, :add] = 2 + q
+        out[r, add:n_on] = 1 + min(cg, q)
+        extra -= add
     return out
 
 

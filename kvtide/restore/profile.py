@@ -171,15 +171,19 @@ def _eval_scalar(x: float, pieces: tuple) -> float:
 
 
 def _eval_array(x: np.ndarray, t: np.ndarray, y: np.ndarray, pieces: tuple) -> np.ndarray:
+    """F(x) where x > 0; entries with x <= 0 are left to the caller, which sets them to 0 (so the planner's
+    grid point 0 does not cost the extension below the first knot)."""
     tl, yl, slope0, slope_n, p, convex = pieces
     if t.size == 1:
         return y[0] * x / t[0]  # one point: proportional through the origin
     out = np.interp(x, t, y)
-    lo, hi = x < tl[0], x > tl[-1]
-    if lo.any():
+    # count_nonzero rather than any(): a ufunc reduction costs several times more on arrays this small
+    lo = (x < tl[0]) & (x > 0)
+    if np.count_nonzero(lo):
         below = np.maximum(yl[0] + slope0 * (x - tl[0]), 0.0) if convex else yl[0] * x / tl[0]
         out = np.where(lo, below, out)
-    if hi.any():
+    hi = x > tl[-1]
+    if np.count_nonzero(hi):
         ratio = np.maximum(x, tl[-1]) / tl[-1]
         out = np.where(hi, np.maximum(yl[-1] + slope_n * (x - tl[-1]), yl[-1] * ratio**p), out)
     return out
