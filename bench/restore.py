@@ -370,7 +370,7 @@ def record_row(rec) -> dict:
             "suffix_s": rec.suffix_seconds, "overhead_s": rec.overhead_seconds,
             "link_wait_s": rec.link_wait_seconds, "load_bytes": rec.load_bytes, "load_batches": rec.load_batches,
             "stolen_tokens": rec.stolen_tokens, "planned_load_s": rec.planned_load_seconds,
-            "planned_load_bytes": rec.planned_load_bytes,
+            "planned_load_bytes": rec.planned_load_bytes, "layer_recompute_s": rec.layer_recompute_seconds,
             "planning_s": rec.planning_seconds, "boundaries": rec.boundaries, "cached": rec.cached,
             "suffix": rec.suffix, "bandwidth_assumed": rec.bandwidth}
 
@@ -765,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
                              "requests); device prefix cache off (every reuse is a store restoration); "
                              "reused-before-window prefixes pre-loaded into the store; CPU links: B*/trace_ratio "
                              "('10 Gbps-equivalent') and B*",
-            "wall_seconds": time.perf_counter() - t_start, "profile_at_end": _profile_state(b.r.profile)}
+            "wall_seconds": time.perf_counter() - t_start, "profile_at_end": _profile_state(b.r.profile),
+            "profile_dump": b.r.profile.to_dict()}
     res = {"meta": meta, "goals": g, "balance": bal, "isolated": iso, "isolated_summary": summary, "trace": trace}
     jpath = out_dir / f"restore_{tag}.json"
     jpath.write_text(json.dumps(res, indent=1))

@@ -111,6 +111,7 @@ class RestoreRecord:
     load_batches: int = 0  # store fetches (round trips) the loads took
     planned_load_seconds: float = 0.0  # the plan's own loads, before stealing (what the rate estimate learns)
     planned_load_bytes: int = 0
+    layer_recompute_seconds: list[float] = field(default_factory=list)  # per staircase layer (the profile's F data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -470,7 +471,8 @@ class Restorer:
             predicted_fixed_seconds=plan.predicted_seconds - max(plan.predicted_compute_seconds,
                                                                  plan.predicted_load_seconds),
             stolen_tokens=res.stolen_tokens, load_batches=res.load_batches,
-            planned_load_seconds=res.planned_load_seconds, planned_load_bytes=res.planned_load_bytes))
+            planned_load_seconds=res.planned_load_seconds, planned_load_bytes=res.planned_load_bytes,
+            layer_recompute_seconds=list(res.layer_recompute_seconds)))
 
     def close(self) -> None:
         if self.writer is not None:
