@@ -625,7 +625,7 @@ class RestoreExecutor:
         if profile is not None:
             for (_, _, segs), dt in zip(stair, res.layer_recompute_seconds):
                 if len(segs) == 1 and segs[0].start == 0 and dt > 0:
-                    profile.observe(segs[0].end, dt)
+                    getattr(profile, "observe_call", profile.observe)(segs[0].end, dt)
 
     def _staircase(self, jobs: Sequence[RestoreJob], st: _Loads, res: RestoreResult, clock: "_Clock") -> list:
         port = self.port

@@ -59,6 +59,11 @@ class ProfileConfig:
     # loads that ran beside a replay get their own bandwidth estimate, which hybrid plans read (False: one estimate
     # over every load, as before; kept for A/B runs)
     separate_overlapped_loads: bool = True
+    # the executor's first layer call at each token count in a process is not recorded (observe_call): on the H200 it carried one-off costs
+    # (2-10 ms over a 1-8 ms call, a new shape's kernel selection), and one such observation alone in a bucket lifted
+    # F flat at ~10 ms from 512 to 8,192 tokens (restore A/B of 2026-11-30, ..._ab3_store_pinned.json), after which
+    # plans recomputed whole layers and b4 restorations ran 1.6x their prediction. Prefill observations are kept.
+    skip_first_layer_call: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.buckets_per_octave, int) or self.buckets_per_octave < 1:
@@ -71,6 +76,8 @@ class ProfileConfig:
             raise ValueError(f"bandwidth_alpha must be in (0, 1], got {self.bandwidth_alpha!r}")
         if not isinstance(self.separate_overlapped_loads, bool):
             raise ValueError(f"separate_overlapped_loads must be a bool, got {self.separate_overlapped_loads!r}")
+        if not isinstance(self.skip_first_layer_call, bool):
+            raise ValueError(f"skip_first_layer_call must be a bool, got {self.skip_first_layer_call!r}")
 
 
 class _Recent:
@@ -208,6 +215,7 @@ class LatencyProfile:
         self._scale_by_batch: dict[int, _Recent] = {}
         self._lock = threading.Lock()
         self._knots: tuple[tuple[np.ndarray, np.ndarray], tuple] | None = None
+        self._warm: set[int] = set()  # token counts whose first layer call was seen (this process; not saved)
 
     # ------------------------------------------------------------------ observations
 
@@ -236,6 +244,16 @@ class LatencyProfile:
                 q = self._buckets[b] = deque(maxlen=self.config.window)
             q.append((tokens, per_block, int(source == "prefill")))
             self._knots = None
+
+    def observe_call(self, tokens: int, seconds: float) -> None:
+        """A layer call the executor timed: ``observe`` it, unless it is the first at this token count in this
+        process and ``ProfileConfig.skip_first_layer_call`` (one-off costs of a new shape, not F)."""
+        tokens = int(tokens)
+        with self._lock:
+            first = tokens not in self._warm
+            self._warm.add(tokens)
+        if not (first and self.config.skip_first_layer_call):
+            self.observe(tokens, seconds)
 
     def observe_load(self, nbytes: float, seconds: float, overlapped: bool = False) -> None:
         """Record a load of ``nbytes`` bytes that took ``seconds``; updates the bandwidth EWMA.

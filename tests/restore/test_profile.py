@@ -333,3 +333,24 @@ def test_call_overhead_at_reads_the_shared_part_where_the_calls_sit(shape: str) 
         assert prof.call_overhead_at(8192) == pytest.approx(0.0, abs=1e-4)
         assert prof.call_overhead_at(1024) == pytest.approx(prof.call_overhead, rel=0.05)  # flat: all shared
     assert 0.0 <= prof.call_overhead_at(3000) <= prof.call_overhead
+
+
+def test_the_first_layer_call_at_each_token_count_is_not_learned() -> None:
+    """A new shape's first call carries one-off costs (on the H200 2-10 ms over a 1-8 ms call); one such call alone
+    in a bucket lifted F flat. observe_call drops it, observe (prefills, saved profiles) keeps everything."""
+    prof = LatencyProfile()
+    prof.observe_call(512, 0.013)  # first at 512: dropped
+    assert prof.num_observations == 0
+    for _ in range(3):
+        prof.observe_call(512, 0.001)
+    prof.observe_call(1024, 0.02)  # first at 1024: dropped
+    prof.observe_call(1024, 0.002)
+    assert prof.num_observations == 4
+    assert prof(512) == pytest.approx(0.001) and prof(1024) == pytest.approx(0.002)
+    raw = LatencyProfile(ProfileConfig(skip_first_layer_call=False))
+    raw.observe_call(512, 0.013)
+    assert raw.num_observations == 1
+    back = LatencyProfile.from_json(prof.to_json())  # a saved profile's observations all come back
+    assert back.num_observations == 4 and back(1024) == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="skip_first_layer_call"):
+        ProfileConfig(skip_first_layer_call=1)  # type: ignore[arg-type]
