@@ -143,6 +143,15 @@ class _Lease:
             self._done = True
         self._store._release(self._recs, after)
 
+    def orphan(self) -> None:
+        """The fetch was collected unreleased. This may run inside the garbage collector, even in a thread that holds
+        the store's lock, so it only queues the records; the next operation under the lock gives them back."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._store._orphans.append(self._recs)  # deque.append: atomic, no lock
+
 
 class PinnedMemoryStore(KVStore):
     """LRU over record bytes in (page-locked) slabs; ``fetch`` returns leased zero-copy views."""
@@ -156,6 +165,7 @@ class PinnedMemoryStore(KVStore):
         self._used = 0  # bytes of live records (the LRU's bound; leased dead ones are not counted)
         self._pending: deque[tuple[Any, list[_Rec]]] = deque()  # (event, records) released once event.query()
         self._leases = 0  # (record, fetch) pairs not yet released
+        self._orphans: deque[list[_Rec]] = deque()  # records of fetches collected unreleased (see _Lease.orphan)
         self._lock = threading.Lock()
 
     @property
@@ -282,6 +292,8 @@ class PinnedMemoryStore(KVStore):
             self._reap()
 
     def _reap(self) -> None:
+        while self._orphans:
+            self._unlease(self._orphans.popleft())
         while self._pending and self._pending[0][0].query():
             self._unlease(self._pending.popleft()[1])
 
@@ -326,7 +338,7 @@ class PinnedMemoryStore(KVStore):
                 nbytes += len(b)
         lease = _Lease(self, recs)
         f = Fetched(names, blobs, nbytes, time.perf_counter(), lease=lease, pinned=self.arena.pin)
-        weakref.finalize(f, lease.release)  # a fetch dropped unplaced (an error upstream) gives its records back
+        weakref.finalize(f, lease.orphan)  # a fetch dropped unplaced (an error upstream) gives its records back
         return f
 
     def _read(self, name: str) -> bytes:
