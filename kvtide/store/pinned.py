@@ -162,7 +162,7 @@ class PinnedMemoryStore(KVStore):
         self.arena = SlabArena(capacity_bytes, slab_bytes, pin)
         self.capacity_bytes = capacity_bytes
         self._data: OrderedDict[str, _Rec] = OrderedDict()
-        self._used = 0  # bytes of live records (the LRU's bound; leased dead ones are not counted)
+        self._used = 0  # bytes of live records and of slots being written (the LRU bound; not leased dead ones)
         self._pending: deque[tuple[Any, list[_Rec]]] = deque()  # (event, records) released once event.query()
         self._leases = 0  # (record, fetch) pairs not yet released
         self._orphans: deque[list[_Rec]] = deque()  # records of fetches collected unreleased (see _Lease.orphan)
