@@ -23,6 +23,10 @@ overlap of compute and link could serve the same restorations, before queueing m
     python bench/restore.py --full          # more lengths, bandwidths, requests
     python bench/restore.py --device cuda --model random:llama3-8b     # the H200 run, < 8 min
     python bench/restore.py --device cuda --model random:llama3-8b --no-isolated   # the trace replay alone
+    python bench/restore.py --device cuda --model random:llama3-8b --no-trace --store pinned   # the latest H200 grid
+
+``--store pinned`` keeps the host tier's records in page-locked memory, so loads go to the GPU by DMA from the record
+(``kvtide/store/pinned.py``); the default ``memory`` stages them through a pinned buffer.
 """
 from __future__ import annotations
 
