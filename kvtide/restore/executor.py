@@ -18,7 +18,9 @@ max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1):
   once into the request's pages of that layer (whole pages: loads are chunk-aligned). On CUDA the entries of a
   batch go into a pinned staging buffer (torch's caching host allocator hands a block out again only after its
   copy has finished), then one non-blocking host-to-device copy and the page writes run on the I/O thread's own
-  stream.
+  stream. Entries of a tier in page-locked memory (``PinnedMemoryStore``, ``Fetched.pinned``) skip the staging
+  copy: each goes to the device by DMA straight from its record, and the fetch's lease on those records is
+  released behind a CUDA event recorded after the copies.
   Verify + stage run on ``LoadConfig.workers`` threads (XXH3 and tensor copies release the GIL); 0 on CPU,
   where the one other core is the compute thread's, and 2 on CUDA: more verify threads slow the compute thread's
   kernel launches (8 with CRC-32 records doubled its layer times on the H200) for a load path that 2 keep at
