@@ -129,10 +129,7 @@ class Bench:
 
     def snapshot(self) -> MemoryStore:
         """The tier's entries as a plain in-memory store (a pinned tier is not copied into more pinned memory)."""
-        out = MemoryStore(self.a.store_gb << 30)
-        for name, blob in self.inner.records():
-            out._write(name, blob)
-        return out
+        return MemoryStore.filled_from(self.inner, self.a.store_gb << 30)
 
     def populate(self, prompts: list[list[int]]) -> int:
         """Prefill each prompt once (untimed): its full chunks go to the store at finish. Each prompt's writes are

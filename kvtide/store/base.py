@@ -414,6 +414,10 @@ class KVStore(ABC):
         except StoreUnavailable as e:
             self.stats.add(unavailable=len(names))
             return Fetched(names, [e] * len(names), 0, time.perf_counter())
+        return self._fetched(names, raw)
+
+    def _fetched(self, names: list[str], raw: Sequence[bytes | None], **kw: Any) -> Fetched:
+        """A ``Fetched`` of read bytes, each missing one (None) as a counted ``ChunkMissing``."""
         blobs: list[bytes | StoreError] = []
         for n, b in zip(names, raw):
             if b is None:
@@ -422,7 +426,8 @@ class KVStore(ABC):
                 blobs.append(err)
             else:
                 blobs.append(b)
-        return Fetched(names, blobs, sum(len(b) for b in blobs if not isinstance(b, StoreError)), time.perf_counter())
+        nbytes = sum(len(b) for b in blobs if not isinstance(b, StoreError))
+        return Fetched(names, blobs, nbytes, time.perf_counter(), **kw)
 
     def open(
         self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, *, copy: bool = True

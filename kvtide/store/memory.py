@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvtide.store.base import ChunkMissing, KVStore
 
@@ -30,6 +30,14 @@ class MemoryStore(KVStore):
         with self._lock:
             out._data = self._data.copy()
             out._used = self._used
+        return out
+
+    @classmethod
+    def filled_from(cls, source: Any, capacity_bytes: int, drop_bad: bool = True) -> "MemoryStore":
+        """A new store holding ``source.records()`` (this tier or ``PinnedMemoryStore``), in LRU order."""
+        out = cls(capacity_bytes, drop_bad)
+        for name, blob in source.records():
+            out._write(name, blob)
         return out
 
     def records(self) -> list[tuple[str, bytes]]:

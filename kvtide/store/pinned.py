@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import threading
-import time
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -315,29 +314,21 @@ class PinnedMemoryStore(KVStore):
     def fetch(self, items: Sequence[tuple[ChunkKey, int]]) -> Fetched:
         """Zero-copy views of the entries, valid until ``release`` (also run when the result is collected)."""
         names = [k.entry_name(layer) for k, layer in items]
-        blobs: list[Any] = []
+        views: list[memoryview | None] = []
         recs: list[_Rec] = []
         with self._lock:
             for n in names:
                 rec = self._data.get(n)
                 if rec is None:
-                    blobs.append(None)
+                    views.append(None)
                     continue
                 self._data.move_to_end(n)
                 rec.leases += 1
                 self._leases += 1
                 recs.append(rec)
-                blobs.append(self.arena.view(rec))
-        nbytes = 0
-        for i, (n, b) in enumerate(zip(names, blobs)):
-            if b is None:
-                err = ChunkMissing(f"{n}: not in store", n)
-                self._count(err)
-                blobs[i] = err
-            else:
-                nbytes += len(b)
+                views.append(self.arena.view(rec))
         lease = _Lease(self, recs)
-        f = Fetched(names, blobs, nbytes, time.perf_counter(), lease=lease, pinned=self.arena.pin)
+        f = self._fetched(names, views, lease=lease, pinned=self.arena.pin)
         weakref.finalize(f, lease.orphan)  # a fetch dropped unplaced (an error upstream) gives its records back
         return f
 

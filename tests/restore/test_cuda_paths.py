@@ -60,6 +60,19 @@ def _kv(eng, seq, n):
     return [eng.runner.kv_caches[i][pages].clone() for i in range(eng.model.args.num_layers)]
 
 
+def _stored(llm, ids):
+    """Prefill the prefix, keep its KV, and hand it to the store as a finished request would; (engine, restorer,
+    layers, prefilled sequence, its KV per layer, chunk keys)."""
+    from kvtide.store.keys import chunk_keys
+
+    eng, r = llm.engine, llm.engine.restorer
+    base = _prefill_kv(eng, ids[:N])
+    want = _kv(eng, base, N)
+    _finish(r, base, ids)
+    r.writer.flush()
+    return eng, r, eng.model.args.num_layers, base, want, chunk_keys(ids[:N], r.keyspace)
+
+
 def _restore(llm, store, ids, keys, js, load):
     from kvtide.engine.restore_port import EnginePort
     from kvtide.engine.sequence import Sequence
@@ -79,16 +92,9 @@ def _restore(llm, store, ids, keys, js, load):
 
 def test_cuda_load_paths_place_prefill_bytes_and_match_logits():
     from kvtide.restore.executor import LoadConfig
-    from kvtide.store.keys import chunk_keys
 
     llm, ids = _setup()
-    eng, r = llm.engine, llm.engine.restorer
-    L = eng.model.args.num_layers
-    base = _prefill_kv(eng, ids[:N])
-    want = _kv(eng, base, N)
-    _finish(r, base, ids)
-    r.writer.flush()
-    keys = chunk_keys(ids[:N], r.keyspace)
+    eng, r, L, base, want, keys = _stored(llm, ids)
     ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())  # recompute-only: a plain prefill
     for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2)):
         res, got = _restore(llm, r.store, ids, keys, [0] * L, load)
@@ -134,16 +140,10 @@ def test_cuda_finished_chunks_are_read_before_their_pages_are_reused():
 
 def test_cuda_failed_load_falls_back():
     from kvtide.restore.executor import LoadConfig
-    from kvtide.store.keys import chunk_keys
     from tests.restore.restore_helpers import FailAfter
 
     llm, ids = _setup()
-    eng, r = llm.engine, llm.engine.restorer
-    L = eng.model.args.num_layers
-    base = _prefill_kv(eng, ids[:N])
-    _finish(r, base, ids)
-    r.writer.flush()
-    keys = chunk_keys(ids[:N], r.keyspace)
+    eng, r, L, base, _, keys = _stored(llm, ids)
     ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())
     res, _ = _restore(llm, FailAfter(r.store, ok=2), ids, keys, [0] * L, LoadConfig())
     # Batched fetches reach the failure in (layer, chunk) batches: how much stays loaded depends on the batching;
@@ -158,17 +158,10 @@ def test_cuda_pinned_store_dma_places_prefill_bytes_and_releases_after_the_copie
     stealing and with a failure mid-load, and no lease outlives its copies."""
     from kvtide.restore.executor import LoadConfig
     from kvtide.store import PinnedMemoryStore
-    from kvtide.store.keys import chunk_keys
     from tests.restore.restore_helpers import FailAfter
 
     llm, ids = _setup()
-    eng, r = llm.engine, llm.engine.restorer
-    L = eng.model.args.num_layers
-    base = _prefill_kv(eng, ids[:N])
-    want = _kv(eng, base, N)
-    _finish(r, base, ids)
-    r.writer.flush()
-    keys = chunk_keys(ids[:N], r.keyspace)
+    eng, r, L, base, want, keys = _stored(llm, ids)
     pinned = PinnedMemoryStore.filled_from(r.store, 256 << 20, slab_bytes=4 << 20)
     assert pinned.pinned
     ref, _ = _restore(llm, pinned, ids, keys, [N] * L, LoadConfig())

@@ -84,16 +84,8 @@ def test_arena_matches_a_reference_model_under_random_alloc_and_free() -> None:
     assert a.alloc(a.slab_bytes + 1) is None
 
 
-def test_lru_bound_rejection_and_bad_config() -> None:
-    s = PinnedMemoryStore(3 * RECORD + 10, slab_bytes=1 << 16)
-    for c in range(3):
-        s.put(KEYS[c], 0, toks(c), kv(c))
-    s.get(KEYS[0], 0, toks(0))  # refresh chunk 0: chunk 1 is now least recently used
-    s.put(KEYS[3], 0, toks(3), kv(3))
-    assert s.stats.evictions == 1 and s.used_bytes <= s.capacity_bytes and len(s) == 3
-    assert not s.contains(KEYS[1], 0) and s.contains(KEYS[0], 0) and s.contains(KEYS[3], 0)
-    tiny = PinnedMemoryStore(100)
-    assert tiny.put(KEYS[0], 0, toks(0), kv(0)) == 0 and tiny.stats.rejected == 1 and len(tiny) == 0
+def test_slab_limits_and_bad_config() -> None:
+    """The LRU byte bound and whole-store rejection are the memory tier's test (test_store_tiers.py, both tiers)."""
     small_slabs = PinnedMemoryStore(1 << 20, slab_bytes=RECORD // 2)  # a record fits no slab
     assert small_slabs.put(KEYS[0], 0, toks(0), kv(0)) == 0 and small_slabs.stats.rejected == 1
     for bad in (0, -1, 1.5):

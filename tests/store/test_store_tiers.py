@@ -110,20 +110,22 @@ def test_corrupt_truncated_and_token_mismatch_are_detected_and_counted(tier) -> 
     assert torch.equal(s.get(KEYS[1], 0, toks(1)), kv(0))
 
 
-def test_memory_lru_eviction_by_bytes() -> None:
+@pytest.mark.parametrize("make", [MemoryStore, lambda cap: PinnedMemoryStore(cap, slab_bytes=1 << 16)],
+                         ids=["memory", "pinned"])
+def test_memory_lru_eviction_by_bytes(make) -> None:
     one = MemoryStore(1 << 30)
     size = one.put(KEYS[0], 0, toks(0), kv(0))
-    s = MemoryStore(3 * size + 10)
+    s = make(3 * size + 10)
     for c in range(3):
         s.put(KEYS[c], 0, toks(c), kv(c))
     s.get(KEYS[0], 0, toks(0))  # refresh chunk 0: chunk 1 is now least recently used
     s.put(KEYS[3], 0, toks(3), kv(3))
     assert s.stats.evictions == 1 and s.used_bytes <= s.capacity_bytes and len(s) == 3
     assert not s.contains(KEYS[1], 0) and s.contains(KEYS[0], 0) and s.contains(KEYS[3], 0)
-    tiny = MemoryStore(100)
+    tiny = make(100)
     assert tiny.put(KEYS[0], 0, toks(0), kv(0)) == 0 and tiny.stats.rejected == 1 and len(tiny) == 0
     with pytest.raises(ValueError):
-        MemoryStore(0)
+        make(0)
 
 
 def test_disk_persists_across_instances_and_leaves_no_temp_files(tmp_path: Path) -> None:
