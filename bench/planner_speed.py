@@ -93,7 +93,8 @@ def main() -> int:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     out = {"per_plan": res, "meta": {
         "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "this": rev.strip() + " (working tree)", "compare": a.compare,
+        "python": platform.python_version(), "numpy": __import__("numpy").__version__,
+        "torch": __import__("torch").__version__, "this": rev.strip() + " (working tree)", "compare": a.compare,
         "shapes": "32 blocks, equal requests of 8192 cached + 16 new tokens, chunk 512, 131072 stored B/token/block",
         "profile": f"knots and overheads of {PROFILE.name} (meta.profile_at_end)",
         "units": "microseconds per plan(), median over rounds of the median of --reps calls"}}
