@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvtide import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.config import RestoreConfig  # noqa: E402
 from kvtide.engine.llm import LLM  # noqa: E402
+from kvtide.restore.executor import LoadConfig  # noqa: E402
 from kvtide.restore.methods import LABELS  # noqa: E402
 from kvtide.restore.profile import LatencyProfile, ProfileConfig  # noqa: E402
 from kvtide.store.bandwidth import BandwidthLimitedStore, gbps  # noqa: E402
@@ -77,7 +78,8 @@ class Bench:
                                              chunk_tokens=a.chunk,
                                              max_batch=max(8, max(a.batches)),
                                              merge_load_layers=getattr(a, "merge_load_layers", 1),
-                                             load_workers=getattr(a, "load_workers", None)))
+                                             load_workers=getattr(a, "load_workers", None),
+                                             load_read_ahead=getattr(a, "read_ahead", None)))
         self.eng = self.llm.engine
         self.r = self.eng.restorer
         if getattr(a, "mixed_load_rate", False):  # A/B: one load-rate estimate over every load, as before
@@ -639,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
                          "buffer) or in page-locked slabs (loads go to the GPU by DMA from the record)")
     ap.add_argument("--load-workers", type=int, default=None,
                     help="threads verifying and staging loads (RestoreConfig.load_workers; default: 2 on CUDA, 0 on CPU)")
+    ap.add_argument("--read-ahead", type=int, default=None,
+                    help="fetches booked on the link beyond the one being verified and placed "
+                         "(RestoreConfig.load_read_ahead; default: 2 on CUDA, 1 on CPU)")
     ap.add_argument("--layer-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="with --cuda-graphs: restorations' layer calls of <= 128 rows (the suffix) as CUDA graphs "
                          "(ModelRunner.layer_graphs); --no-layer-graphs runs them as plain calls (A/B)")
@@ -746,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
             "shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
             "kv_dtype": "bfloat16", "compute_dtype": str(b.eng.config.torch_dtype), "chunk_tokens": a.chunk,
             "attention_backend": b.eng.runner.attention.name, "cuda_graphs": bool(a.cuda_graphs),
-            "layer_graphs": b.eng.runner.layer_graphs is not None, "load_workers": a.load_workers, "layer_graphs_capture_s": getattr(b, "layer_graphs_s", 0.0),
+            "layer_graphs": b.eng.runner.layer_graphs is not None, "load_workers": a.load_workers,
+            "read_ahead": LoadConfig(read_ahead=a.read_ahead).resolved_read_ahead(b.eng.runner.device), "layer_graphs_capture_s": getattr(b, "layer_graphs_s", 0.0),
             "decode_step_batch1_s": b.decode_step, "decode_step_batch1_writer_busy_s": b.decode_step_writer_busy,
             "writer_backlog_bytes_at_that_step": b.writer_backlog_bytes,
             "decode_probe_writer_busy": b.probe_trail, "decode_probe_stacks": b.probe_stacks,

@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -279,6 +280,9 @@ def main() -> None:
     ap.add_argument("--v-zero-frac", type=float, default=0.03)
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--tune-rep", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="after the single timings: this many rounds of FlashInfer and the CUDA kernels timed in turn "
+                         "(do_bench each); the per-round ratio's median is reported beside the single figure")
     ap.add_argument("--skip-triton", action="store_true", help="time only FlashInfer and the CUDA kernel")
     ap.add_argument("--load-hints", type=int, nargs="*", default=[],
                     help="also time the CUDA kernel's best launch shape with these LOAD_HINT values (zc.LOAD_HINTS)")
@@ -397,6 +401,25 @@ def main() -> None:
             row["flashinfer_us"] = bench(lambda: fi.run(q, kv), args.rep)
             for kind, fn in best.items():
                 row[kind]["us"] = bench(fn, args.rep)
+            if args.rounds > 0:  # FlashInfer and the CUDA kernels in turn: drift of the device over the run (clocks,
+                # heat) lands on both sides of each round's ratio instead of between two single figures
+                cuda_best = {k: fn for k, fn in best.items() if k.startswith("cuda_")}
+                rounds = {"flashinfer": [], **{k: [] for k in cuda_best}}
+                for _ in range(args.rounds):
+                    rounds["flashinfer"].append(bench(lambda: fi.run(q, kv), args.rep))
+                    for kind, fn in cuda_best.items():
+                        rounds[kind].append(bench(fn, args.rep))
+                row["rounds"] = {"n": args.rounds, "us": rounds}
+                for kind in cuda_best:
+                    ratios = [f / z for f, z in zip(rounds["flashinfer"], rounds[kind])]
+                    row[kind]["speedup_vs_flashinfer_rounds"] = ratios
+                    row[kind]["speedup_vs_flashinfer_rounds_median"] = statistics.median(ratios)
+                    row[kind]["us_rounds_median"] = statistics.median(rounds[kind])
+                row["flashinfer_us_rounds_median"] = statistics.median(rounds["flashinfer"])
+                print(f"ctx {ctx:5d} B {b:3d}  {args.rounds} rounds: FI {row['flashinfer_us_rounds_median']:7.1f}us  "
+                      + "  ".join(f"{k} {row[k]['us_rounds_median']:7.1f}us x{row[k]['speedup_vs_flashinfer_rounds_median']:.3f} "
+                                  f"({min(row[k]['speedup_vs_flashinfer_rounds']):.3f}-"
+                                  f"{max(row[k]['speedup_vs_flashinfer_rounds']):.3f})" for k in cuda_best), flush=True)
             for kind in ("cuda_zip", "cuda_raw") if args.load_hints else ():  # cache hints on the best launch shape
                 if "options" not in row.get(kind, {}):
                     continue
@@ -488,13 +511,19 @@ def main() -> None:
                  f"key channel scales, exact zeros in {args.k_zero_frac:.0%} of K and {args.v_zero_frac:.0%} of V "
                  "blocks; random q; no model weights involved"),
         kv_models=kv_models,
-        timing="triton.testing.do_bench median, L2 cleared between calls, same process for all kernels" + (
+        timing="triton.testing.do_bench median, L2 cleared between calls, same process for all kernels; "
+               f"rounds: {args.rounds} rounds of FlashInfer then each CUDA kernel, do_bench each, ratio per round" + (
             "; *_clean_flush: median of CUDA-event timings with L2 emptied by a read-only 512 MB sweep before "
             "each call (no dirty lines left; bench_clean_flush)" if args.clean_flush else ""),
         wall_s=time.time() - t_start, results=results,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(meta, indent=1))
+    for r in results:
+        if "rounds" in r:
+            cz = r.get("cuda_zip", {})
+            print(f"{r['context']:5d} {r['batch']:3d}  rounds median: FI {r['flashinfer_us_rounds_median']:7.1f}us  "
+                  f"cuda zip {cz.get('us_rounds_median', 0):7.1f}us  x{cz.get('speedup_vs_flashinfer_rounds_median', 0):.3f}")
     print("\nctx   B    FlashInfer  cuda-raw  cuda-zip  cz/FI  ceiling  triton-raw  triton-zip  tz/FI  decomp+FI")
     for r in results:
         g = lambda k, f="us": r.get(k, {}).get(f, 0)  # noqa: E731

@@ -111,6 +111,7 @@ class RestoreConfig:
     hedge: float = 0.0  # >0: CacheFlow plans this much compute-heavy when stealing is on (see Restorer.plan_for)
     merge_load_layers: int = 1  # most consecutive layers whose loads share a fetch (1: one per layer; executor)
     load_workers: int | None = None  # threads verifying and staging loads (None: the executor's LoadConfig default)
+    load_read_ahead: int | None = None  # fetches booked beyond the one being placed (None: LoadConfig's default)
     # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
     # RestoreStats.writes_dropped): a tier that cannot keep up costs later recomputes, not host memory
     write_queue_bytes: int = 8 << 30
@@ -139,6 +140,9 @@ class RestoreConfig:
         if self.load_workers is not None and (not isinstance(self.load_workers, int)
                                               or isinstance(self.load_workers, bool) or self.load_workers < 0):
             raise ValueError(f"RestoreConfig.load_workers must be None or an int >= 0, got {self.load_workers!r}")
+        if self.load_read_ahead is not None and (not isinstance(self.load_read_ahead, int)
+                                                 or isinstance(self.load_read_ahead, bool) or self.load_read_ahead < 0):
+            raise ValueError(f"RestoreConfig.load_read_ahead must be None or an int >= 0, got {self.load_read_ahead!r}")
 
 
 @dataclass

@@ -395,7 +395,8 @@ class Restorer:
             # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
             # that mixes the two; recompute-only keeps its link idle by definition, load-only has nothing to take.
             steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
-            load = LoadConfig(steal=steal, merge_layers=self.cfg.merge_load_layers, workers=self.cfg.load_workers)
+            load = LoadConfig(steal=steal, merge_layers=self.cfg.merge_load_layers, workers=self.cfg.load_workers,
+                              read_ahead=self.cfg.load_read_ahead)
             res = RestoreExecutor(port, self.store, self.chunk, load).run(jobs, profile=self.profile)
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])

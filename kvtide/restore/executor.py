@@ -67,7 +67,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
-from kvtide.store.base import ChunkCorrupt
+from kvtide.store.base import ChunkCorrupt, token_array
 from kvtide.store.keys import ChunkKey
 
 __all__ = ["LoadConfig", "ModelPort", "RestoreExecutor", "RestoreJob", "RestoreResult", "Segment", "LoadFailure"]
@@ -140,13 +140,13 @@ class LoadConfig:
 
     ``batch_bytes``: raw bytes per ``fetch`` (one store round trip; on CUDA one staging slot and one
     host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
-    the CPU verifies). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
+    the CPU verifies); None picks 2 on CUDA and 1 on a CPU device (``resolved_read_ahead``). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
     CPU device (its spare core already runs this thread) and min(2, cores // 2) on CUDA (see the module docstring).
     ``steal``, ``merge_layers``: see the module docstring.
     """
 
     batch_bytes: int = 64 << 20
-    read_ahead: int = 1
+    read_ahead: int | None = None
     workers: int | None = None
     steal: bool = False  # idle link takes recompute chunks of staircase layers not started yet
     merge_layers: int = 1  # most consecutive layers whose entries share a fetch (1: a fetch per layer)
@@ -154,12 +154,22 @@ class LoadConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.batch_bytes, int) or self.batch_bytes < 1:
             raise ValueError(f"batch_bytes must be an int >= 1, got {self.batch_bytes!r}")
-        if not isinstance(self.read_ahead, int) or self.read_ahead < 0:
-            raise ValueError(f"read_ahead must be an int >= 0, got {self.read_ahead!r}")
+        if self.read_ahead is not None and (not isinstance(self.read_ahead, int) or isinstance(self.read_ahead, bool)
+                                            or self.read_ahead < 0):
+            raise ValueError(f"read_ahead must be None or an int >= 0, got {self.read_ahead!r}")
         if not isinstance(self.merge_layers, int) or isinstance(self.merge_layers, bool) or self.merge_layers < 1:
             raise ValueError(f"merge_layers must be an int >= 1, got {self.merge_layers!r}")
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 0):
             raise ValueError(f"workers must be None or an int >= 0, got {self.workers!r}")
+
+    def resolved_read_ahead(self, device: torch.device) -> int:
+        """None: 2 on CUDA, 1 on a CPU device. On the H200 (pinned tier, 8B shape, 2026-11-30) one fetch ahead left
+        the link idle whenever a batch's verify ran long: load-only at batch 4 on 40 Gbps moved 3.7 GB/s against the
+        link's 5 (4.9 with two ahead), and CacheFlow at batch 4 on 80 Gbps took 0.54-0.63 s against 0.47-0.48
+        (``restore_random_llama3-8b_cuda_isolated_ab_read_ahead_*.json``). Not measured on the CPU: it stays 1."""
+        if self.read_ahead is not None:
+            return self.read_ahead
+        return 2 if device.type == "cuda" else 1
 
     def resolved_workers(self, device: torch.device) -> int:
         if self.workers is not None:
@@ -217,6 +227,8 @@ class _Loads:
 
     def __init__(self, num_layers: int, device: torch.device, jobs: Sequence[RestoreJob] = ()) -> None:
         self.bounds = [list(j.boundaries) for j in jobs]  # current boundaries (stealing lowers unclaimed ones)
+        # each request's ids converted once for the stores' token checks (sliced per entry, compared as bytes)
+        self.token_ids = [token_array(j.token_ids) for j in jobs]
         self.claimed = -1  # staircase layers <= claimed are fixed (the compute thread started them)
         self.stair_done = threading.Event()
         self.steal_lock = threading.Lock()  # held by the I/O thread from picking a steal until it is placed
@@ -390,12 +402,13 @@ class RestoreExecutor:
         (a batch of several layers yields each, in order)."""
         inflight: deque[tuple[list, Any]] = deque()
         workers = self.load.resolved_workers(self.port.device)
+        ahead = self.load.resolved_read_ahead(self.port.device)
         pool = _pool(workers) if workers > 1 else None
         for group in work:
             segs = [(layer, self._live(items, layer, st)) for layer, items in group]
             pairs = [(jobs[r].keys[c], layer) for layer, items in segs for r, c, _, _ in items]
             inflight.append((segs, self.store.fetch(pairs) if pairs else None))
-            while len(inflight) > self.load.read_ahead:
+            while len(inflight) > ahead:
                 yield from self._place(jobs, *inflight.popleft(), st, pool)
         while inflight:
             yield from self._place(jobs, *inflight.popleft(), st, pool)
@@ -434,7 +447,7 @@ class RestoreExecutor:
                 return blob
             key = jobs[r].keys[c]
             try:
-                kv = self.store.open(blob, key, layer, jobs[r].token_ids[c * C:(c + 1) * C], copy=False).tensor
+                kv = self.store.open(blob, key, layer, st.token_ids[r][c * C:(c + 1) * C], copy=False).tensor
                 if tuple(kv.shape) != want:
                     raise ChunkCorrupt(f"entry {key.entry_name(layer)} has shape {list(kv.shape)}, expected "
                                        f"{list(want)}", key.entry_name(layer))

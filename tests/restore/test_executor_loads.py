@@ -352,3 +352,17 @@ def test_pinned_store_loads_place_the_prefill_bytes_and_release_every_record(sto
         assert res.failures == [] and res.loaded_entries == sum(N // CHUNK - j // CHUNK for j in js)
         assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
         assert pinned.leased == 0
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.0, "2"])
+def test_load_read_ahead_must_be_a_count(bad) -> None:
+    from kvtide.config import RestoreConfig
+
+    with pytest.raises(ValueError, match="load_read_ahead"):
+        RestoreConfig(load_read_ahead=bad)
+    with pytest.raises(ValueError, match="read_ahead"):
+        LoadConfig(read_ahead=bad)
+    assert RestoreConfig(load_read_ahead=0).load_read_ahead == 0
+    assert LoadConfig().resolved_read_ahead(torch.device("cpu")) == 1
+    assert LoadConfig().resolved_read_ahead(torch.device("cuda")) == 2
+    assert LoadConfig(read_ahead=3).resolved_read_ahead(torch.device("cuda")) == 3

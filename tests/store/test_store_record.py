@@ -17,6 +17,7 @@ from kvtide.store.base import (
     TokenMismatch,
     decode_record,
     encode_record,
+    token_array,
 )
 from kvtide.store.keys import KeySpace, chunk_keys
 
@@ -168,3 +169,59 @@ def test_record_is_read_only_and_encodes_a_strided_slice() -> None:
     with pytest.raises(TypeError):
         rec[0] = 1
     assert torch.equal(decode_record(rec, KEY, 2, TOKENS).view(torch.int16), kv.contiguous().view(torch.int16))
+
+
+def test_token_array_ids_check_like_a_list() -> None:
+    """The loader's converted ids (``token_array``, sliced per entry) pass and fail exactly where a list does."""
+    ids = token_array(TOKENS + [5, 6, 7])
+    assert list(ids) == TOKENS + [5, 6, 7]
+    kv = torch.randn(2, 16, 1, 8).bfloat16()
+    rec = encode_record(KEY, 2, TOKENS, kv)
+    assert torch.equal(decode_record(rec, KEY, 2, ids[:16]).view(torch.int16), kv.view(torch.int16))
+    with pytest.raises(TokenMismatch):
+        decode_record(rec, KEY, 2, token_array(TOKENS[:-1] + [7]))
+    with pytest.raises(TokenMismatch):
+        decode_record(rec, KEY, 2, ids[1:17])  # shifted by one
+    bad = TOKENS[:-1] + [-1]
+    assert token_array(bad) is bad  # ids that no record can hold stay a list, rejected by the general check
+    with pytest.raises(TokenMismatch, match="cannot be stored"):
+        decode_record(rec, KEY, 2, token_array(bad))
+
+
+def _record_with_meta(meta: bytes, kv: torch.Tensor) -> bytes:
+    """A v3 record with this metadata and a valid checksum (what a buggy or hostile writer could produce)."""
+    import xxhash
+
+    from kvtide.store.keys import token_bytes
+
+    body = token_bytes(TOKENS) + kv.contiguous().view(torch.uint8).numpy().tobytes()
+    h = xxhash.xxh3_128()
+    h.update(meta)
+    h.update(body)
+    return struct.pack("<4sHHIQ16s", b"KVTR", 3, 0, len(meta), len(body), h.intdigest().to_bytes(16, "little")) \
+        + meta + body
+
+
+def test_metadata_parsed_once_still_checks_key_and_layer() -> None:
+    """After the first entry of a shape its metadata tail is cached: later entries must still name the caller's
+    key and layer, and metadata that names the key twice (JSON keeps the last) must take the full parse."""
+    kv = torch.randn(2, 16, 1, 8).bfloat16()
+    for layer in range(3):  # the same tail for every layer: parsed once, hit twice
+        assert decode_record(encode_record(KEY, layer, TOKENS, kv), KEY, layer, TOKENS).shape == kv.shape
+    rec = encode_record(KEY, 1, TOKENS, kv)
+    with pytest.raises(ChunkCorrupt, match="entry is for"):
+        decode_record(rec, KEY, 2, TOKENS)
+    other = chunk_keys(list(range(16)), SP)[0]
+    with pytest.raises(ChunkCorrupt, match="entry is for"):
+        decode_record(rec, other, 1, TOKENS)
+    tail = b'"dtype":"bfloat16","shape":[2,16,1,8],"num_tokens":16,"byteorder":"little"'
+    twice = b'{"key":"%s","layer":1,%s,"key":"%s"}' % (KEY.hex.encode(), tail, other.hex.encode())
+    with pytest.raises(ChunkCorrupt, match="entry is for"):
+        decode_record(_record_with_meta(twice, kv), KEY, 1, TOKENS)
+    escaped = b'{"key":"%s","layer":1,%s,"\\u006bey":"%s"}' % (KEY.hex.encode(), tail, other.hex.encode())
+    for _ in range(2):  # not cached after the first failure either
+        with pytest.raises(ChunkCorrupt, match="entry is for"):
+            decode_record(_record_with_meta(escaped, kv), KEY, 1, TOKENS)
+    wrong_shape = b'{"key":"%s","layer":1,%s}' % (KEY.hex.encode(), tail.replace(b"[2,16,1,8]", b"[2,16,1,4]"))
+    with pytest.raises(ChunkCorrupt, match="payload"):
+        decode_record(_record_with_meta(wrong_shape, kv), KEY, 1, TOKENS)

@@ -1,0 +1,126 @@
+"""Host time to verify one stored KV entry (``KVStore.open``), against the checksum alone and against an earlier revision.
+
+Why: a restoration's loads are verified on worker threads beside the compute thread. XXH3 releases the GIL; the
+rest of a verify (header, metadata, token-id check, the zero-copy view) holds it, and every microsecond of that is
+a microsecond the compute thread's kernel launches can wait. At the 8B shape a batch-1 restoration verifies ~260
+entries of [2, 512, 8, 128] BF16 (2 MiB), so the Python part is worth measuring apart from the hash.
+
+What: entries of that shape in a ``MemoryStore``, opened as the executor of each revision opens them (this tree:
+each request's ids converted once by ``token_array`` and sliced per entry; older trees: list slices), the record
+each of 8 entries opened 4 times, then hashed alone 4 times, after one untimed call each (the record in cache for
+both: the hash is short and the Python part shows; with records cycled through memory the two passes' cache states
+differed and the difference swung 20-75 us run to run). ``held_us`` = open - hash alone: the part of a verify
+outside the checksum. ``--compare REV`` times REV's ``kvtide`` in a child process, rounds alternating.
+
+    python bench/record_verify.py --compare HEAD~1 --out bench/results/record_verify_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (2, 512, 8, 128)
+
+
+def measure(reps: int) -> dict[str, float]:
+    """Median microseconds per open and per hash of the same record, with the kvtide on sys.path."""
+    import torch
+    import xxhash
+
+    from kvtide.store.keys import KeySpace, chunk_keys
+    from kvtide.store.memory import MemoryStore
+
+    chunk = SHAPE[1]
+    space = KeySpace("bench", chunk)
+    ids = [int(x) for x in torch.randint(0, 128000, (8 * chunk + 16,), generator=torch.Generator().manual_seed(0))]
+    keys = chunk_keys(ids, space)
+    store = MemoryStore(1 << 30)
+    kv = torch.randn(SHAPE).bfloat16()
+    for c, k in enumerate(keys):
+        store.put(k, 3, ids[c * chunk:(c + 1) * chunk], kv)
+    try:  # this tree: converted once per request, as the executor does
+        from kvtide.store.base import token_array
+
+        conv = token_array(ids)
+    except ImportError:  # older trees: the executor sliced the list
+        conv = ids
+    blobs = store.fetch([(k, 3) for k in keys]).blobs
+    out: dict[str, list[float]] = {"open_us": [], "hash_us": []}
+    for _ in range(reps):  # per entry: 4 opens, then 4 hashes of the same record, in cache for all but the first
+        for c, (k, blob) in enumerate(zip(keys, blobs)):
+            ids_c = conv[c * chunk:(c + 1) * chunk]
+            for name, fn in (("open_us", lambda: store.open(blob, k, 3, ids_c, copy=False)),
+                             ("hash_us", lambda: xxhash.xxh3_128_intdigest(blob))):
+                fn()
+                for _ in range(4):
+                    t0 = time.perf_counter()
+                    fn()
+                    out[name].append(1e6 * (time.perf_counter() - t0))
+    res = {k: statistics.median(v) for k, v in out.items()}
+    res["held_us"] = res["open_us"] - res["hash_us"]
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=100, help="passes over the 8 entries per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--compare", default=None, help="a git revision whose store runs alongside (child process)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(measure(a.reps)))
+        return 0
+    sys.path.insert(0, str(ROOT))
+    tmp = None
+    if a.compare:
+        tmp = tempfile.TemporaryDirectory()
+        arch = subprocess.run(["git", "archive", a.compare, "kvtide"], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", tmp.name], input=arch.stdout, check=True)
+    rounds: dict[str, list[dict]] = {"this": [], "compare": []}
+    for _ in range(a.rounds):
+        rounds["this"].append(measure(a.reps))
+        if tmp is not None:
+            env = {**os.environ, "PYTHONPATH": tmp.name}
+            r = subprocess.run([sys.executable, __file__, "--child", "--reps", str(a.reps)], env=env, check=True,
+                               capture_output=True, text=True, cwd=tmp.name)
+            rounds["compare"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    res = {}
+    for side, rs in rounds.items():
+        if rs:
+            res[side] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+            print(side, {k: round(v, 1) for k, v in res[side].items()})
+    if "compare" in res:
+        res["held_ratio_compare_over_this"] = res["compare"]["held_us"] / res["this"]["held_us"]
+        print(f"GIL-held part per entry: {res['compare']['held_us']:.1f} -> {res['this']['held_us']:.1f} us")
+    import numpy
+    import torch
+
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    out = {"per_entry": res, "meta": {
+        "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
+        "python": platform.python_version(), "numpy": numpy.__version__, "torch": torch.__version__,
+        "xxhash": __import__("xxhash").VERSION, "this": rev.strip() + " (working tree)", "compare": a.compare,
+        "entry": f"{list(SHAPE)} bfloat16 (the 8B shape's chunk-layer record, 2 MiB), MemoryStore, copy=False",
+        "units": "microseconds per entry, median over rounds of the median over --reps passes of 8 entries"}}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+        print(f"wrote {a.out}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
