@@ -1,4 +1,4 @@
-"""Host time to verify one stored KV entry (``KVStore.open``), against the checksum alone and against an earlier revision.
+"""Host time to verify one stored KV entry (``KVStore.open``), against its checksum alone and an earlier revision.
 
 Why: a restoration's loads are verified on worker threads beside the compute thread. XXH3 releases the GIL; the
 rest of a verify (header, metadata, token-id check, the zero-copy view) holds it, and every microsecond of that is

@@ -140,8 +140,9 @@ class LoadConfig:
 
     ``batch_bytes``: raw bytes per ``fetch`` (one store round trip; on CUDA one staging slot and one
     host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
-    the CPU verifies); None picks 2 on CUDA and 1 on a CPU device (``resolved_read_ahead``). ``workers``: threads that verify and stage a batch's entries in parallel; None picks 0 on a
-    CPU device (its spare core already runs this thread) and min(2, cores // 2) on CUDA (see the module docstring).
+    the CPU verifies); None picks 2 on CUDA and 1 on a CPU device (``resolved_read_ahead``). ``workers``: threads
+    that verify and stage a batch's entries in parallel; None picks 0 on a CPU device (its spare core already runs
+    this thread) and min(2, cores // 2) on CUDA (see the module docstring).
     ``steal``, ``merge_layers``: see the module docstring.
     """
 

@@ -247,7 +247,7 @@ def encode_record(
 
 # Metadata after its key and layer (dtype, shape, token count, byte order: the same for every entry of a model),
 # parsed once: a JSON parse per entry was ~5 us of the ~40 us of GIL-held work of a load's verify. Bounded.
-_META_TAILS: dict[bytes, tuple[torch.dtype, list[int], int]] = {}
+_META_TAILS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int]] = {}
 _META_TAILS_MAX = 256
 
 

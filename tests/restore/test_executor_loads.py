@@ -366,3 +366,24 @@ def test_load_read_ahead_must_be_a_count(bad) -> None:
     assert LoadConfig().resolved_read_ahead(torch.device("cpu")) == 1
     assert LoadConfig().resolved_read_ahead(torch.device("cuda")) == 2
     assert LoadConfig(read_ahead=3).resolved_read_ahead(torch.device("cuda")) == 3
+
+
+def test_restore_config_read_ahead_reaches_the_executor(monkeypatch) -> None:
+    """``RestoreConfig.load_read_ahead`` is what the engine's restorations load with, and they stay token-exact."""
+    import kvtide.engine.restoration as restoration
+    from tests.restore.restore_helpers import two_turns
+
+    llm = restore_llm()
+    fresh_store(llm)
+    b, ref = two_turns(llm, 9000, first=100, extra=12, out=2)
+    seen: list[LoadConfig] = []
+
+    class Spy(RestoreExecutor):
+        def __init__(self, port, store, chunk, load) -> None:  # noqa: ANN001
+            seen.append(load)
+            super().__init__(port, store, chunk, load)
+
+    monkeypatch.setattr(restoration, "RestoreExecutor", Spy)
+    monkeypatch.setattr(llm.engine.restorer.cfg, "load_read_ahead", 3)
+    assert llm.generate(b, greedy(2))[0].token_ids == ref
+    assert seen and all(load.read_ahead == 3 for load in seen)
