@@ -167,8 +167,8 @@ class LoadConfig:
         """None: 2 on CUDA, 1 on a CPU device. On the H200 (pinned tier, 8B shape, 2026-11-30) one fetch ahead left
         the link idle whenever a batch's verify ran long: load-only at batch 4 on 40 Gbps moved 3.7 GB/s against the
         link's 5 (4.9 with two ahead), and CacheFlow at batch 4 on 80 Gbps took 0.54-0.63 s against 0.47-0.48
-        (``restore_random_llama3-8b_cuda_isolated_ab_read_ahead_*.json``). On this project's 2-core CPU (SmolLM2, 4 runs
-        of each, alternated) neither did better, so it stays 1 there (``restore_smollm2-135m_cpu_isolated_ab_read_ahead_*``)."""
+        (``restore_random_llama3-8b_cuda_isolated_ab_read_ahead_*.json``). On the 2-core CPU (SmolLM2, 4 runs of each,
+        alternated) neither did better, so it stays 1 there (``restore_smollm2-135m_cpu_isolated_ab_read_ahead_*``)."""
         if self.read_ahead is not None:
             return self.read_ahead
         return 2 if device.type == "cuda" else 1
