@@ -9,6 +9,8 @@ and then the whole verify + stage + copy pipeline alone and beside a thread that
 device work from Python (what the compute thread does during a staircase), which is the "loads run slower beside a
 staircase" case of ``bench/restore.py``. Last, on CUDA, the whole host path of the two host tiers side by side: the
 memory tier (verify + stage + one copy) and the pinned tier (``--store pinned``: verify, then DMA from the record).
+Token ids go to ``open`` as the executor passes them: ``token_array`` slices (files before 2026-11-30's sixteenth
+session passed list slices, and their verify ran the older, costlier checks).
 
     python bench/load_path.py --out bench/results/load_path_<machine>.json
 """
@@ -31,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvtide.store.base import token_array  # noqa: E402
 from kvtide.store.keys import KeySpace, chunk_keys  # noqa: E402
 from kvtide.store.memory import MemoryStore  # noqa: E402
 
@@ -41,12 +44,13 @@ def make_store(entries: int) -> tuple[MemoryStore, list]:
     store = MemoryStore(entries * (2 * CHUNK * HEADS * DIM * 2 + 8192) + (1 << 20))
     tokens = list(range(1, entries * CHUNK + 1))
     keys = chunk_keys(tokens, KeySpace("bench:load_path", CHUNK, "bfloat16"))
+    ids = token_array(tokens)  # as the executor passes them: converted once, sliced per entry
     g = torch.Generator().manual_seed(0)
     items = []
     for c, k in enumerate(keys):
         kv = torch.randn(2, CHUNK, HEADS, DIM, generator=g).to(torch.bfloat16)
         store.put(k, 0, tokens[c * CHUNK:(c + 1) * CHUNK], kv)
-        items.append((k, tokens[c * CHUNK:(c + 1) * CHUNK]))
+        items.append((k, ids[c * CHUNK:(c + 1) * CHUNK]))
     return store, items
 
 
