@@ -16,12 +16,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+import rev_rounds  # bench/, next to this script
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "bench/results/restore_random_llama3-8b_cuda_isolated_layer_graphs.json"
@@ -60,28 +60,13 @@ def measure(reps: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=500, help="plans per shape per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--compare", default=None, help="a git revision whose planner runs alongside (child process)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
+    rev_rounds.add_args(ap, "planner")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(measure(a.reps)))
         return 0
     sys.path.insert(0, str(ROOT))
-    tmp = None
-    if a.compare:
-        tmp = tempfile.TemporaryDirectory()
-        arch = subprocess.run(["git", "archive", a.compare, "kvtide"], cwd=ROOT, check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", tmp.name], input=arch.stdout, check=True)
-    rounds: dict[str, list[dict]] = {"this": [], "compare": []}
-    for _ in range(a.rounds):
-        rounds["this"].append(measure(a.reps))
-        if tmp is not None:
-            env = {**os.environ, "PYTHONPATH": tmp.name}
-            r = subprocess.run([sys.executable, __file__, "--child", "--reps", str(a.reps)], env=env, check=True,
-                               capture_output=True, text=True, cwd=tmp.name)
-            rounds["compare"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    rounds = rev_rounds.run(measure, __file__, a.reps, a.rounds, a.compare)
     res = {}
     for k in rounds["this"][0]:
         row = {"this_us": 1e6 * statistics.median(x[k] for x in rounds["this"])}
@@ -90,19 +75,16 @@ def main() -> int:
             row["speedup"] = row["compare_us"] / row["this_us"]
         res[k] = row
         print(k, {n: round(v, 2) for n, v in row.items()})
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     out = {"per_plan": res, "meta": {
         "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "numpy": __import__("numpy").__version__,
-        "torch": __import__("torch").__version__, "this": rev.strip() + " (working tree)", "compare": a.compare,
+        "torch": __import__("torch").__version__, "this": rev_rounds.head() + " (working tree)", "compare": a.compare,
         "shapes": "32 blocks, equal requests of 8192 cached + 16 new tokens, chunk 512, 131072 stored B/token/block",
         "profile": f"knots and overheads of {PROFILE.name} (meta.profile_at_end)",
         "units": "microseconds per plan(), median over rounds of the median of --reps calls"}}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.out}")
-    if tmp is not None:
-        tmp.cleanup()
     return 0
 
 

@@ -21,12 +21,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+import rev_rounds  # bench/, next to this script
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (2, 512, 8, 128)
@@ -74,28 +74,13 @@ def measure(reps: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=100, help="passes over the 8 entries per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--compare", default=None, help="a git revision whose store runs alongside (child process)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
+    rev_rounds.add_args(ap, "store")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(measure(a.reps)))
         return 0
     sys.path.insert(0, str(ROOT))
-    tmp = None
-    if a.compare:
-        tmp = tempfile.TemporaryDirectory()
-        arch = subprocess.run(["git", "archive", a.compare, "kvtide"], cwd=ROOT, check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", tmp.name], input=arch.stdout, check=True)
-    rounds: dict[str, list[dict]] = {"this": [], "compare": []}
-    for _ in range(a.rounds):
-        rounds["this"].append(measure(a.reps))
-        if tmp is not None:
-            env = {**os.environ, "PYTHONPATH": tmp.name}
-            r = subprocess.run([sys.executable, __file__, "--child", "--reps", str(a.reps)], env=env, check=True,
-                               capture_output=True, text=True, cwd=tmp.name)
-            rounds["compare"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    rounds = rev_rounds.run(measure, __file__, a.reps, a.rounds, a.compare)
     res = {}
     for side, rs in rounds.items():
         if rs:
@@ -107,18 +92,15 @@ def main() -> int:
     import numpy
     import torch
 
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     out = {"per_entry": res, "meta": {
         "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "numpy": numpy.__version__, "torch": torch.__version__,
-        "xxhash": __import__("xxhash").VERSION, "this": rev.strip() + " (working tree)", "compare": a.compare,
+        "xxhash": __import__("xxhash").VERSION, "this": rev_rounds.head() + " (working tree)", "compare": a.compare,
         "entry": f"{list(SHAPE)} bfloat16 (the 8B shape's chunk-layer record, 2 MiB), MemoryStore, copy=False",
         "units": "microseconds per entry, median over rounds of the median over --reps passes of 8 entries"}}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.out}")
-    if tmp is not None:
-        tmp.cleanup()
     return 0
 
 

@@ -1,0 +1,50 @@
+"""This tree's ``kvtide`` against an earlier revision's, timed in alternating rounds (shared by the benches that
+take ``--compare REV``: planner_speed, record_verify).
+
+REV's ``kvtide`` is checked out (``git archive``) into a temporary directory; each round runs ``measure(reps)`` here,
+then the calling script again as ``--child --reps N`` with that directory first on ``PYTHONPATH``, which must print
+the same dict as JSON on its last line. Alternating keeps both sides on the same machine state.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_args(ap: argparse.ArgumentParser, what: str) -> None:
+    """The flags every such bench takes (``--reps`` is the caller's: its unit differs)."""
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--compare", default=None, help=f"a git revision whose {what} runs alongside (child process)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+
+
+def run(measure: Callable[[int], dict], script: str, reps: int, rounds: int,
+        compare: str | None) -> dict[str, list[dict]]:
+    """Per side ("this", and "compare" when REV is given), the dict of each round."""
+    out: dict[str, list[dict]] = {"this": [], "compare": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        if compare:
+            arch = subprocess.run(["git", "archive", compare, "kvtide"], cwd=ROOT, check=True, capture_output=True)
+            subprocess.run(["tar", "-x", "-C", tmp], input=arch.stdout, check=True)
+        for _ in range(rounds):
+            out["this"].append(measure(reps))
+            if compare:
+                r = subprocess.run([sys.executable, script, "--child", "--reps", str(reps)],
+                                   env={**os.environ, "PYTHONPATH": tmp}, check=True, capture_output=True, text=True,
+                                   cwd=tmp)
+                out["compare"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def head() -> str:
+    """The short commit of this tree (the "this" side is its working tree)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
