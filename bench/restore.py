@@ -79,7 +79,8 @@ class Bench:
                                              max_batch=max(8, max(a.batches)),
                                              merge_load_layers=getattr(a, "merge_load_layers", 1),
                                              load_workers=getattr(a, "load_workers", None),
-                                             load_read_ahead=getattr(a, "read_ahead", None)))
+                                             load_read_ahead=getattr(a, "read_ahead", None),
+                                             store_codec=getattr(a, "codec", None)))
         self.eng = self.llm.engine
         self.r = self.eng.restorer
         if getattr(a, "mixed_load_rate", False):  # A/B: one load-rate estimate over every load, as before
@@ -644,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-ahead", type=int, default=None,
                     help="fetches booked on the link beyond the one being verified and placed "
                          "(RestoreConfig.load_read_ahead; default: 2 on CUDA, 1 on CPU)")
+    ap.add_argument("--codec", choices=["zip"], default=None,
+                    help="store entries in the ZipFusion format (RestoreConfig.store_codec): lossless, fewer bytes "
+                         "over the link, encoded and decoded on the GPU; every method reads the same store")
     ap.add_argument("--layer-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="with --cuda-graphs: restorations' layer calls of <= 128 rows (the suffix) as CUDA graphs "
                          "(ModelRunner.layer_graphs); --no-layer-graphs runs them as plain calls (A/B)")
@@ -742,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize_isolated(iso, L)
     g = goals(iso, summary, trace, L, b.r.bytes_per_token)
     tag = (f"{a.model.replace(':', '_')}_{a.device.split(':')[0]}{'_full' if full else ''}"
-           f"{'_trace' if a.no_isolated else ''}")
+           f"{'_trace' if a.no_isolated else ''}{'_' + a.codec if a.codec else ''}")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
@@ -757,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
             "writer_backlog_bytes_at_that_step": b.writer_backlog_bytes,
             "decode_probe_writer_busy": b.probe_trail, "decode_probe_stacks": b.probe_stacks,
             "stored_bytes_per_token_per_layer": b.r.bytes_per_token,
+            "plain_bytes_per_token_per_layer": b.r.plain_bytes_per_token, "store_codec": a.codec,
             "link": "token bucket on the store load path (fetch books the link, the executor reads one batch ahead)",
             "store": ("in-process memory tier (XXH3-128 checksummed records, verified on every load)"
                       + (", records in page-locked slabs: loads DMA'd to the GPU from the record (--store pinned)"

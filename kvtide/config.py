@@ -112,6 +112,9 @@ class RestoreConfig:
     merge_load_layers: int = 1  # most consecutive layers whose loads share a fetch (1: one per layer; executor)
     load_workers: int | None = None  # threads verifying and staging loads (None: the executor's LoadConfig default)
     load_read_ahead: int | None = None  # fetches booked beyond the one being placed (None: LoadConfig's default)
+    # None: entries hold the KV as is; "zip": in the ZipFusion format (lossless, ~0.75-0.8x the bytes over the link),
+    # encoded and decoded on the GPU (kvtide/store/zip_entry.py); needs bfloat16 KV
+    store_codec: str | None = None
     # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
     # RestoreStats.writes_dropped): a tier that cannot keep up costs later recomputes, not host memory
     write_queue_bytes: int = 8 << 30
@@ -143,6 +146,8 @@ class RestoreConfig:
         if self.load_read_ahead is not None and (not isinstance(self.load_read_ahead, int)
                                                  or isinstance(self.load_read_ahead, bool) or self.load_read_ahead < 0):
             raise ValueError(f"RestoreConfig.load_read_ahead must be None or an int >= 0, got {self.load_read_ahead!r}")
+        if self.store_codec not in (None, "zip"):
+            raise ValueError(f"RestoreConfig.store_codec must be None or 'zip', got {self.store_codec!r}")
 
 
 @dataclass
@@ -165,6 +170,10 @@ class EngineConfig:
         if self.restore is not None and self.restore.chunk_tokens % self.cache.page_size:
             raise ValueError(f"RestoreConfig.chunk_tokens ({self.restore.chunk_tokens}) must be a multiple of "
                              f"CacheConfig.page_size ({self.cache.page_size})")
+        if self.restore is not None and self.restore.store_codec is not None \
+                and self.cache.torch_kv_dtype != torch.bfloat16:
+            raise ValueError(f"RestoreConfig.store_codec={self.restore.store_codec!r} stores bfloat16 KV losslessly; "
+                             f"CacheConfig.kv_dtype is {self.cache.torch_kv_dtype}")
         if not self.model:
             raise ValueError("EngineConfig.model must name a bundled model or a path")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -132,7 +132,8 @@ class Restorer:
         probe = torch.zeros(2, self.chunk, a.num_kv_heads, a.head_dim, dtype=engine.config.cache.torch_kv_dtype)
         key = chunk_keys([0] * self.chunk, self.keyspace)[0]
         record = len(encode_record(key, a.num_layers - 1, [0] * self.chunk, probe))  # exact, padding included
-        self.bytes_per_token = record / self.chunk  # s: stored bytes per token per block (what loads move)
+        self.plain_bytes_per_token = record / self.chunk
+        self._written = (0, 0)  # (record bytes, entries) of ZipFusion entries by writers replaced by use_store
         self.profile = LatencyProfile()
         self.plan_bandwidth = self.bandwidth()  # what the last plan assumed (bytes/s)
         self.writer = self._new_writer(self.store)
@@ -151,10 +152,25 @@ class Restorer:
         chunks go to `writes` (default: the same store; a bench writes past its emulated link)."""
         if self.writer is not None:
             self.writer.close()
+            w = self.writer.stats
+            self._written = (self._written[0] + w.zip_bytes, self._written[1] + w.zip_entries)
         self.writer = self._new_writer(writes if writes is not None else store)
         self.store = store
         self._known.clear()
         self._no_restore.clear()
+
+    @property
+    def bytes_per_token(self) -> float:
+        """s, stored bytes per token per block (what loads move): exact for plain records (the format's size with
+        padding); for ZipFusion records (``store_codec``) the mean of those written so far, since the ratio
+        depends on the KV (the plain size until the first is written)."""
+        if self.cfg.store_codec is not None:
+            w = self.writer
+            nbytes = self._written[0] + (w.stats.zip_bytes if w is not None else 0)
+            entries = self._written[1] + (w.stats.zip_entries if w is not None else 0)
+            if entries and nbytes:
+                return nbytes / (entries * self.chunk)
+        return self.plain_bytes_per_token
 
     def _new_writer(self, store: Any) -> StoreWriter | None:
         if not (self.cfg.write_on_finish or self.cfg.spill):
@@ -202,10 +218,15 @@ class Restorer:
         t0 = time.perf_counter()
         if self._reader is None:
             self._reader = ChunkReader(self.engine.runner)
-        per_layer, ready = self._reader.read(pids)
         C = self.chunk
+        if self.cfg.store_codec is not None:
+            entries, ready = self._reader.read_zip(pids, C)
+            per_chunk = [[layer[k] for layer in entries] for k in range(len(todo))]
+        else:
+            per_layer, ready = self._reader.read(pids)
+            per_chunk = [[x[:, k * C:(k + 1) * C] for x in per_layer] for k in range(len(todo))]
         for k, (key, toks, _) in enumerate(todo):
-            self.writer.submit(key, toks, [x[:, k * C:(k + 1) * C] for x in per_layer], ready)
+            self.writer.submit(key, toks, per_chunk[k], ready)
             self._remember(key)
             self.stats.chunks_written += 1
         self.stats.write_seconds += time.perf_counter() - t0

@@ -11,6 +11,7 @@ import torch
 
 from ..kernels.paged_attention_ref import write_kv
 from ..restore.executor import Segment
+from ..store.zip_entry import ZipEntry, encode_entries
 from .attention import BatchLayout
 from .model_runner import ModelRunner
 from .sequence import Sequence as Seq
@@ -165,3 +166,48 @@ class ChunkReader:
             done = torch.cuda.Event()
             done.record(self.stream)
         return host, done
+
+    def read_zip(self, page_ids: list[int], chunk: int) -> tuple[list[list[ZipEntry]], "torch.cuda.Event | None"]:
+        """Like ``read``, each chunk's layer encoded in the ZipFusion format (``RestoreConfig.store_codec``):
+        ``entries[layer][k]`` is chunk k's. On CUDA the encode runs on the side stream on the device (Triton, fixed
+        slots, no host sync) and only descriptors and slots cross to pinned host memory."""
+        r = self.runner
+        idx = torch.tensor(page_ids, dtype=torch.long, device=r.device)
+        layers = range(r.model.args.num_layers)
+        out: list[list[ZipEntry]] = []
+
+        def split(x: torch.Tensor, desc: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...]) -> list[ZipEntry]:
+            return [ZipEntry(desc[k], slots[k], shape) for k in range(desc.shape[0])]
+
+        if self.stream is None:
+            for i in layers:
+                x = _gather(r, i, idx)
+                groups, shape = _chunk_groups(x, chunk)
+                desc, slots = encode_entries(groups, shape)
+                out.append(split(x, desc, slots, shape))
+            return out, None
+        on_device = [_gather(r, i, idx) for i in layers]
+        self.stream.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(self.stream):
+            for x in on_device:
+                x.record_stream(self.stream)  # the compute stream may reuse x's memory only after this stream's use
+                groups, shape = _chunk_groups(x, chunk)
+                desc, slots = encode_entries(groups, shape)
+                desc_h = torch.empty(desc.shape, dtype=desc.dtype, pin_memory=True)
+                slots_h = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
+                desc_h.copy_(desc, non_blocking=True)
+                slots_h.copy_(slots, non_blocking=True)
+                out.append(split(x, desc_h, slots_h, shape))
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out, done
+
+
+def _chunk_groups(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """[2, K * chunk, heads, dim] -> [K, 2 * chunk * heads * dim] (chunk k's entry in C order) and the entry shape."""
+    two, n, hk, d = x.shape
+    k = n // chunk
+    if k * chunk != n:
+        raise ValueError(f"{n} tokens are not whole chunks of {chunk}")
+    groups = x.view(two, k, chunk, hk, d).transpose(0, 1).reshape(k, -1)
+    return groups, (two, chunk, hk, d)

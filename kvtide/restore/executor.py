@@ -57,6 +57,7 @@ positions, logits) so it knows nothing of the engine's scheduler or page tables.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -67,7 +68,9 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
+from kvtide.cache import zipblocks as zip_blocks
 from kvtide.store.base import ChunkCorrupt, token_array
+from kvtide.store.zip_entry import ZipEntry
 from kvtide.store.keys import ChunkKey
 
 __all__ = ["LoadConfig", "ModelPort", "RestoreExecutor", "RestoreJob", "RestoreResult", "Segment", "LoadFailure"]
@@ -449,7 +452,8 @@ class RestoreExecutor:
                 return blob
             key = jobs[r].keys[c]
             try:
-                kv = self.store.open(blob, key, layer, st.token_ids[r][c * C:(c + 1) * C], copy=False).tensor
+                kv = self.store.open(blob, key, layer, st.token_ids[r][c * C:(c + 1) * C], copy=False,
+                                     decode=False).tensor
                 if tuple(kv.shape) != want:
                     raise ChunkCorrupt(f"entry {key.entry_name(layer)} has shape {list(kv.shape)}, expected "
                                        f"{list(want)}", key.entry_name(layer))
@@ -475,6 +479,8 @@ class RestoreExecutor:
             placed = []
             for i, kv in ok:
                 layer, (r, c, a, b) = flat[i]
+                if isinstance(kv, ZipEntry):
+                    kv = kv.decode()
                 self.port.write_kv(layer, r, a, kv[:, a - c * C:b - c * C])
                 placed.append(i)
         with st.lock:
@@ -497,7 +503,7 @@ class RestoreExecutor:
         if not ok:
             return [], None
         C = self.chunk
-        sizes = [kv.numel() * kv.element_size() for _, kv in ok]
+        sizes = [_nbytes(kv) for _, kv in ok]
         offs = [0]
         for n in sizes:
             offs.append(offs[-1] + -(-n // 64) * 64)
@@ -505,7 +511,7 @@ class RestoreExecutor:
         if direct:
             dev = torch.empty(offs[-1], dtype=torch.uint8, device=self.port.device)
             for k, (_, kv) in enumerate(ok):
-                dev[offs[k]:offs[k] + sizes[k]].copy_(kv.reshape(-1).view(torch.uint8), non_blocking=True)
+                dev[offs[k]:offs[k] + sizes[k]].copy_(_bytes(kv), non_blocking=True)
             after = torch.cuda.Event()
             after.record()
         else:
@@ -515,7 +521,7 @@ class RestoreExecutor:
             host = torch.empty(offs[-1], dtype=torch.uint8, pin_memory=True)
 
             def stage(k: int) -> None:
-                host[offs[k]:offs[k] + sizes[k]].copy_(ok[k][1].reshape(-1).view(torch.uint8))
+                host[offs[k]:offs[k] + sizes[k]].copy_(_bytes(ok[k][1]))
 
             if pool is not None:
                 list(pool.map(stage, range(len(ok))))
@@ -523,6 +529,9 @@ class RestoreExecutor:
                 for k in range(len(ok)):
                     stage(k)
             dev = host.to(self.port.device, non_blocking=True)
+        if any(isinstance(kv, ZipEntry) for _, kv in ok):  # one decode launch for the fetch: then all plain KV
+            dev, offs, sizes = _unzip(dev, [kv for _, kv in ok], offs, sizes)
+            ok = [(i, torch.empty(kv.shape, dtype=kv.dtype, device="meta")) for i, kv in ok]  # shapes for the runs
         chunks = getattr(self.port, "write_kv_chunks", None)
         runs = _chunk_runs([flat[i] for i, _ in ok], [tuple(kv.shape) for _, kv in ok], offs, sizes, C) \
             if chunks is not None else [(k, k + 1) for k in range(len(ok))]
@@ -726,6 +735,44 @@ class RestoreExecutor:
         res.fallback_tokens = sum(s.length for s in segs)
         res.fallback_seconds = time.perf_counter() - t
         return {r: row for r, row in zip(bad, h.index_select(0, ends))}
+
+
+def _nbytes(kv: "torch.Tensor | ZipEntry") -> int:
+    """Bytes a loaded entry moves to the device: its KV, or a ZipFusion entry's payload (descriptors and blocks)."""
+    return kv.span.numel() if isinstance(kv, ZipEntry) else kv.numel() * kv.element_size()
+
+
+def _bytes(kv: "torch.Tensor | ZipEntry") -> torch.Tensor:
+    return kv.span if isinstance(kv, ZipEntry) else kv.reshape(-1).view(torch.uint8)
+
+
+def _unzip(dev: torch.Tensor, entries: list, offs: list[int], sizes: list[int]
+           ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Entries staged in ``dev`` (uint8; entry k at byte ``offs[k]``, ``sizes[k]`` bytes, a ``ZipEntry``'s payload or
+    plain KV) -> a new buffer of plain KV, entry k at ``k * raw``: one Triton launch decodes every ZipFusion block of
+    the fetch on the device, with no host sync (the store checked each payload's descriptors and length)."""
+    from kvtide.kernels import zip_unpack  # Triton: imported by the first fetch that needs it
+    raw = entries[0].numel() * 2 if isinstance(entries[0], torch.Tensor) else math.prod(entries[0].shape) * 2
+    out = torch.empty(len(entries) * raw, dtype=torch.uint8, device=dev.device)
+    zk = [k for k, e in enumerate(entries) if isinstance(e, ZipEntry)]
+    for k, e in enumerate(entries):
+        if not isinstance(e, ZipEntry):  # a plain record among zipped ones (a store written both ways)
+            out[k * raw:(k + 1) * raw].copy_(dev[offs[k]:offs[k] + sizes[k]])
+    e0 = entries[zk[0]]
+    nb, bsz = e0.num_blocks, e0.block_size
+    pad = -(-nb // 16) * 16
+    desc = torch.stack([dev[offs[k]:offs[k] + nb] for k in zk])  # [E, nb], on the device
+    bsizes = torch.where(desc == zip_blocks.RAW, zip_blocks.raw_nbytes(bsz), zip_blocks.compressed_nbytes(bsz))
+    bsizes = bsizes.to(torch.int64)
+    first = torch.tensor([offs[k] + pad for k in zk], dtype=torch.int64).to(dev.device, non_blocking=True)
+    offsets = first[:, None] + bsizes.cumsum(1) - bsizes
+    if len(zk) == len(entries):
+        zip_unpack.unpack(dev, desc, offsets, bsz, out=out.view(torch.int16))
+    else:
+        dec = zip_unpack.unpack(dev, desc, offsets, bsz)
+        for j, k in enumerate(zk):
+            out[k * raw:(k + 1) * raw].copy_(dec[j * nb:(j + 1) * nb].reshape(-1).view(torch.uint8))
+    return out, [k * raw for k in range(len(entries))], [raw] * len(entries)
 
 
 def _chunk_runs(items: list[tuple[int, tuple[int, int, int, int]]], shapes: list[tuple[int, ...]], offs: list[int],

@@ -111,9 +111,10 @@ class BandwidthLimitedStore:
         return f
 
     def open(
-        self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, *, copy: bool = True
+        self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, *, copy: bool = True,
+        decode: bool = True,
     ) -> Entry:
-        return self.inner.open(blob, key, layer, tokens, copy=copy)
+        return self.inner.open(blob, key, layer, tokens, copy=copy, decode=decode)
 
     def contains(self, key: ChunkKey, layer: int) -> bool:
         return self.inner.contains(key, layer)

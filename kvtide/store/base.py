@@ -56,6 +56,8 @@ import torch
 import xxhash
 
 from kvtide.store.keys import ChunkKey, token_bytes
+from kvtide.store.zip_entry import CODEC as ZIP_CODEC
+from kvtide.store.zip_entry import ZipEntry, check_payload
 
 RECORD_MAGIC = b"KVTR"
 RECORD_VERSION = 3  # written; READ_VERSIONS are read
@@ -173,9 +175,10 @@ class StoreStats:
 
 @dataclass(frozen=True)
 class Entry:
-    """A verified entry: the KV tensor and the record's size on the wire."""
+    """A verified entry: the KV tensor (or, opened with ``decode=False``, its ``ZipEntry``) and the record's size on
+    the wire."""
 
-    tensor: torch.Tensor
+    tensor: "torch.Tensor | ZipEntry"
     nbytes: int
 
 
@@ -195,11 +198,13 @@ def _digest(meta: bytes | memoryview, body: bytes | memoryview, version: int = R
 
 
 def encode_record(
-    key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+    key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: "torch.Tensor | ZipEntry",
     alloc: Callable[[int], torch.Tensor] | None = None,
 ) -> memoryview:
     """Serialise one (chunk, layer) entry; returns a read-only byte view of the record.
 
+    ``kv``: the KV tensor, or a ``ZipEntry`` (the same KV in the ZipFusion format, encoded by the caller on its
+    device; stored with ``codec: "zip1"``, see :mod:`kvtide.store.zip_entry`).
     ``alloc(nbytes)``: the uint8 CPU tensor to build the record in (a tier's own slot, which saves a copy);
     default a fresh one.
 
@@ -209,35 +214,44 @@ def encode_record(
     wait for it (``bench/writer_interference.py``: steps of small torch calls 5.9x slower while the writer drains
     8B-shape records that way, 1.2x with this encoder).
     """
-    if not isinstance(kv, torch.Tensor):
-        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    zipped = isinstance(kv, ZipEntry)
+    if not zipped and not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor or a ZipEntry, got {type(kv).__name__}")
     if kv.dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported KV dtype {kv.dtype}; one of {sorted(DTYPES)}")
+    shape = list(kv.shape)
     tok = token_bytes(tokens)
     n_tok = len(tok) // 4
-    if kv.dim() < 2 or kv.shape[0] != 2 or kv.shape[1] != n_tok:
-        raise ValueError(f"kv must be [2, {n_tok} tokens, ...] (K and V), got {list(kv.shape)}")
-    meta = json.dumps(
-        {
-            "key": key.hex,
-            "layer": int(layer),
-            "dtype": _DTYPE_NAMES[kv.dtype],
-            "shape": list(kv.shape),
-            "num_tokens": n_tok,
-            "byteorder": sys.byteorder,
-        },
-        separators=(",", ":"),
-    ).encode()
+    if len(shape) < 2 or shape[0] != 2 or shape[1] != n_tok:
+        raise ValueError(f"kv must be [2, {n_tok} tokens, ...] (K and V), got {shape}")
+    fields_ = {"key": key.hex, "layer": int(layer), "dtype": _DTYPE_NAMES[kv.dtype], "shape": shape,
+               "num_tokens": n_tok, "byteorder": sys.byteorder}
+    if zipped:
+        if kv.num_blocks * kv.block_size != math.prod(shape):
+            raise ValueError(f"ZipEntry of {kv.num_blocks} blocks of {kv.block_size} does not hold {shape}")
+        fields_.update(codec=ZIP_CODEC, block_size=kv.block_size)
+        packed = kv.packed_nbytes()
+        if kv.data.numel() < packed:
+            raise ValueError(f"ZipEntry data holds {kv.data.numel()} bytes, its descriptors say {packed}")
+        desc_nbytes = -(-kv.num_blocks // 16) * 16
+        nbytes = desc_nbytes + packed
+    else:
+        nbytes = kv.numel() * kv.element_size()
+    meta = json.dumps(fields_, separators=(",", ":")).encode()
     meta += b" " * (-(HEADER_BYTES + len(meta) + len(tok)) % PAYLOAD_ALIGN)  # JSON ignores trailing blanks
     start = HEADER_BYTES + len(meta) + len(tok)  # payload offset, a multiple of PAYLOAD_ALIGN
-    nbytes = kv.numel() * kv.element_size()
     buf = torch.empty(start + nbytes, dtype=torch.uint8) if alloc is None else alloc(start + nbytes)
     if buf.dtype != torch.uint8 or buf.device.type != "cpu" or buf.numel() != start + nbytes or not buf.is_contiguous():
         raise ValueError(f"alloc must return a contiguous CPU uint8 tensor of {start + nbytes} bytes")
     arr = buf.numpy()
     arr[HEADER_BYTES:HEADER_BYTES + len(meta)] = np.frombuffer(meta, np.uint8)
     arr[HEADER_BYTES + len(meta):start] = np.frombuffer(tok, np.uint8)
-    if nbytes:
+    if zipped:
+        nb = kv.num_blocks
+        buf[start:start + nb].copy_(kv.desc.reshape(-1))
+        buf[start + nb:start + desc_nbytes].zero_()
+        buf[start + desc_nbytes:].copy_(kv.data[:packed])
+    elif nbytes:
         buf[start:].view(kv.dtype).view(kv.shape).copy_(kv.detach())
     digest = _digest(arr[HEADER_BYTES:HEADER_BYTES + len(meta)], arr[HEADER_BYTES + len(meta):])
     _HEADER.pack_into(arr, 0, RECORD_MAGIC, RECORD_VERSION, 0, len(meta), len(tok) + nbytes, digest)
@@ -247,12 +261,14 @@ def encode_record(
 
 # Metadata after its key and layer (dtype, shape, token count, byte order: the same for every entry of a model),
 # parsed once: a JSON parse per entry was ~5 us of the ~40 us of GIL-held work of a load's verify. Bounded.
-_META_TAILS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int]] = {}
+_META_TAILS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, str | None, int]] = {}
 _META_TAILS_MAX = 256
 
 
-def _read_meta(meta: bytes, key: ChunkKey, layer: int, name: str) -> tuple[torch.dtype, list[int], int]:
-    """(dtype, shape, num_tokens) of a record's metadata, checked against the caller's key and layer.
+def _read_meta(meta: bytes, key: ChunkKey, layer: int, name: str
+               ) -> tuple[torch.dtype, list[int], int, str | None, int]:
+    """(dtype, shape, num_tokens, codec, block size) of a record's metadata, checked against the caller's key and
+    layer (codec None: the payload is the tensor's raw bytes).
 
     Fast path: ``encode_record`` writes the key and layer first, so metadata that starts with exactly the expected
     ``{"key":"<hex>","layer":<n>,`` and ends in a tail already parsed (and checked) is that entry's. Tails naming a
@@ -263,32 +279,41 @@ def _read_meta(meta: bytes, key: ChunkKey, layer: int, name: str) -> tuple[torch
     if meta.startswith(prefix):
         hit = _META_TAILS.get(meta[len(prefix):])
         if hit is not None:
-            return hit[0], list(hit[1]), hit[2]
+            return hit[0], list(hit[1]), hit[2], hit[3], hit[4]
     try:
         parsed = json.loads(meta)
         dtype = DTYPES[parsed["dtype"]]
         shape = [int(x) for x in parsed["shape"]]
         n_tok = int(parsed["num_tokens"])
+        codec = parsed.get("codec")
+        block_size = int(parsed.get("block_size", 0))
     except (ValueError, KeyError, TypeError) as e:
         raise ChunkCorrupt(f"{name}: unreadable metadata ({e})", name) from None
     if parsed.get("key") != key.hex or parsed.get("layer") != layer:
         raise ChunkCorrupt(f"{name}: entry is for {parsed.get('key')}.{parsed.get('layer')}", name)
     if parsed.get("byteorder", "little") != sys.byteorder:
         raise ChunkCorrupt(f"{name}: written on a {parsed.get('byteorder')}-endian host", name)
+    if codec not in (None, ZIP_CODEC):
+        raise ChunkCorrupt(f"{name}: unknown codec {codec!r}", name)
+    if codec is not None and dtype != torch.bfloat16:
+        raise ChunkCorrupt(f"{name}: codec {codec} holds bfloat16, metadata says {parsed['dtype']}", name)
     tail = meta[len(prefix):]
     if (meta.startswith(prefix) and b'"key"' not in tail and b'"layer"' not in tail and b"\\" not in tail
             and len(_META_TAILS) < _META_TAILS_MAX):
-        _META_TAILS[tail] = (dtype, tuple(shape), n_tok)
-    return dtype, shape, n_tok
+        _META_TAILS[tail] = (dtype, tuple(shape), n_tok, codec, block_size)
+    return dtype, shape, n_tok, codec, block_size
 
 
 def decode_record(
-    blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, name: str = "", *, copy: bool = True
-) -> torch.Tensor:
+    blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, name: str = "", *, copy: bool = True,
+    decode: bool = True,
+) -> "torch.Tensor | ZipEntry":
     """Verify and deserialise an entry; raises the specific ``StoreError`` for each failed check.
 
     ``copy=False`` returns a read-only view of ``blob`` (it keeps ``blob`` alive): for callers that copy the KV
-    into place at once, which saves one copy of every loaded byte.
+    into place at once, which saves one copy of every loaded byte. ``decode=False``: an entry stored in the
+    ZipFusion format comes back as that ``ZipEntry`` (its descriptors and lengths checked), for a caller that
+    decodes on its device; with True it is decoded here (torch, on the CPU: slow, for tests and small models).
     """
     if len(blob) < HEADER_BYTES:
         raise ChunkTruncated(f"{name}: {len(blob)} bytes, shorter than the {HEADER_BYTES}-byte header", name)
@@ -311,7 +336,7 @@ def decode_record(
         else _digest(meta_b, body, version)
     if got != digest:
         raise ChunkCorrupt(f"{name}: checksum mismatch", name)
-    dtype, shape, n_tok = _read_meta(bytes(meta_b), key, layer, name)
+    dtype, shape, n_tok, codec, block_size = _read_meta(bytes(meta_b), key, layer, name)
     try:
         expect_tok = _token_bytes_fast(tokens)
     except (OverflowError, ValueError) as e:
@@ -319,6 +344,8 @@ def decode_record(
     if body[: 4 * n_tok].tobytes() != expect_tok:  # a memoryview compared with bytes goes item by item: ~20x slower
         raise TokenMismatch(f"{name}: stored token ids differ from the request's prefix", name)
     payload = body[4 * n_tok :]
+    if codec is not None:
+        return _zip_entry(blob, payload, HEADER_BYTES + meta_len + 4 * n_tok, shape, block_size, name, copy, decode)
     itemsize = _ITEMSIZE[dtype]
     if len(payload) != itemsize * math.prod(shape):
         raise ChunkCorrupt(f"{name}: payload {len(payload)} bytes does not match {_DTYPE_NAMES[dtype]}{shape}", name)
@@ -328,6 +355,24 @@ def decode_record(
         return torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)
     off = HEADER_BYTES + meta_len + 4 * n_tok
     return torch.frombuffer(blob, dtype=dtype, count=len(payload) // itemsize, offset=off).reshape(shape)
+
+
+def _zip_entry(blob: bytes, payload: memoryview, off: int, shape: list[int], block_size: int, name: str, copy: bool,
+               decode: bool) -> "torch.Tensor | ZipEntry":
+    """The ``ZipEntry`` (or its decoded tensor) of a verified ``zip1`` payload at byte ``off`` of ``blob``."""
+    numel = math.prod(shape)
+    nb = numel // block_size if block_size > 0 else 0
+    desc = np.frombuffer(payload, np.uint8, count=min(nb, len(payload)))
+    why = check_payload(desc, len(payload), numel, block_size)
+    if why is not None:
+        raise ChunkCorrupt(f"{name}: {why}", name)
+    if copy:
+        span = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        span = torch.frombuffer(blob, dtype=torch.uint8, count=len(payload), offset=off)
+    pad = -(-nb // 16) * 16
+    e = ZipEntry(span[:nb], span[pad:], tuple(shape), block_size, span)
+    return e.decode() if decode else e
 
 
 @dataclass
@@ -477,10 +522,12 @@ class KVStore(ABC):
         return Fetched(names, blobs, nbytes, time.perf_counter(), **kw)
 
     def open(
-        self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, *, copy: bool = True
+        self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, *, copy: bool = True,
+        decode: bool = True,
     ) -> Entry:
-        """Verify and decode one fetched entry (counted like ``get_entry``); ``copy=False``: a view of ``blob``."""
-        return self._verify(blob, key, layer, tokens, key.entry_name(layer), copy=copy)
+        """Verify and decode one fetched entry (counted like ``get_entry``); ``copy=False``: a view of ``blob``;
+        ``decode=False``: an entry stored in the ZipFusion format stays a ``ZipEntry`` (``decode_record``)."""
+        return self._verify(blob, key, layer, tokens, key.entry_name(layer), copy=copy, decode=decode)
 
     def contains(self, key: ChunkKey, layer: int) -> bool:
         try:
@@ -497,10 +544,11 @@ class KVStore(ABC):
 
     # ---- helpers
     def _verify(
-        self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, name: str, copy: bool = True
+        self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, name: str, copy: bool = True,
+        decode: bool = True,
     ) -> Entry:
         try:
-            t = decode_record(blob, key, layer, tokens, name, copy=copy)
+            t = decode_record(blob, key, layer, tokens, name, copy=copy, decode=decode)
         except StoreError as e:
             self._count(e)
             if self.drop_bad:

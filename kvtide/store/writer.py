@@ -21,12 +21,20 @@ import torch
 from kvtide.store.keys import ChunkKey
 
 
+def _held(x: Any) -> int:
+    """Host bytes a queued layer holds: a KV tensor, or a ``ZipEntry`` (its descriptors and slot)."""
+    held = getattr(x, "held_nbytes", None)
+    return held if held is not None else x.numel() * x.element_size()
+
+
 @dataclass
 class WriterStats:
     entries: int = 0
     bytes: int = 0
     failures: int = 0
     refused: int = 0  # admit() calls turned away by max_bytes
+    zip_entries: int = 0  # of entries, those given as ZipEntry (stored in the ZipFusion format), and their bytes
+    zip_bytes: int = 0
 
 
 class StoreWriter:
@@ -135,14 +143,18 @@ class StoreWriter:
                 # Layer order matters: a reader that sees the last layer knows the whole chunk is there.
                 for i, kv in enumerate(layers):
                     self._open.wait()
-                    self.stats.bytes += self.store.put(key, i, tokens, kv)
+                    n = self.store.put(key, i, tokens, kv)
+                    self.stats.bytes += n
                     self.stats.entries += 1
+                    if n and hasattr(kv, "held_nbytes"):
+                        self.stats.zip_entries += 1
+                        self.stats.zip_bytes += n
             except Exception:  # noqa: BLE001 - a failed write (tier down, bad copy) costs the entry, never the thread
                 self.stats.failures += 1
             finally:
                 with self._cv:
                     self._pending.discard(key.hex)
-                    self._queued_bytes = max(0, self._queued_bytes - sum(x.numel() * x.element_size() for x in layers))
+                    self._queued_bytes = max(0, self._queued_bytes - sum(_held(x) for x in layers))
                     self._unfinished -= 1
                     self._cv.notify_all()
 

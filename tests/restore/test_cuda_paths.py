@@ -21,7 +21,7 @@ C = 32
 N = 4 * C
 
 
-def _setup():
+def _setup(codec=None):
     from kvtide import CacheConfig
     from kvtide.config import RestoreConfig
     from kvtide.engine.llm import LLM
@@ -29,7 +29,7 @@ def _setup():
     # The tiny model's head_dim (32) has no prebuilt FlashInfer kernel (a JIT build needs the toolchain): torch.
     llm = LLM("random:llama3-8b" if _BIG else "random:tiny", device="cuda", progress=False,
               cache=CacheConfig(kv_dtype="bfloat16", enable_prefix_caching=False, num_pages=4096),
-              restore=RestoreConfig(chunk_tokens=C), attention_backend="flashinfer" if _BIG else "torch")
+              restore=RestoreConfig(chunk_tokens=C, store_codec=codec), attention_backend="flashinfer" if _BIG else "torch")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, llm.engine.model.args.vocab_size, (N + 8,), generator=g).tolist()
     return llm, ids
@@ -178,6 +178,54 @@ def test_cuda_pinned_store_dma_places_prefill_bytes_and_releases_after_the_copie
     assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
     torch.cuda.synchronize()
     assert pinned.leased == 0
+    eng.block_manager.release(base)
+
+
+def test_cuda_zip_store_encodes_on_device_and_places_prefill_bytes():
+    """store_codec="zip": chunks are encoded on the GPU on the way out (while the pages are overwritten right after
+    the finish), loads are decoded on the GPU in one launch per fetch; the pages get the prefill's exact bytes from
+    the memory and the pinned tier, with stealing, and after a failure mid-load."""
+    from kvtide.restore.executor import LoadConfig
+    from kvtide.store import PinnedMemoryStore
+    from kvtide.store.zip_entry import ZipEntry
+    from tests.restore.restore_helpers import FailAfter
+
+    llm, ids = _setup("zip")
+    eng, r, L, base, want, keys = _stored(llm, ids)
+    assert r.writer.stats.zip_entries == L * len(keys) and r.writer.stats.failures == 0
+    e = r.store.open(r.store._read(keys[0].entry_name(0)), keys[0], 0, ids[:C], decode=False).tensor
+    assert isinstance(e, ZipEntry)
+    print(f"zip entries: {r.bytes_per_token:.0f} B/token/layer vs {r.plain_bytes_per_token:.0f} plain")
+    ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())
+    pinned = PinnedMemoryStore.filled_from(r.store, 256 << 20, slab_bytes=4 << 20)
+    for store in (r.store, pinned):
+        for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2)):
+            res, got = _restore(llm, store, ids, keys, [0] * L, load)
+            assert res.failures == [] and res.loaded_tokens == L * N
+            assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want)), load
+            assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+        half = [N if i < L // 2 else N // 2 for i in range(L)]
+        res, _ = _restore(llm, store, ids, keys, half, LoadConfig(steal=True))
+        assert res.failures == [] and torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+        res, _ = _restore(llm, FailAfter(store, ok=2), ids, keys, [0] * L, LoadConfig())
+        assert res.failures and res.fallback_requests == [0]
+        assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+    torch.cuda.synchronize()
+    assert pinned.leased == 0
+    eng.block_manager.release(base)
+    # the copy-out is asynchronous: pages overwritten right after the finish must not change what is stored
+    base = _prefill_kv(eng, ids[:N])
+    want = _kv(eng, base, N)
+    from tests.restore.restore_helpers import fresh_store
+
+    fresh_store(llm)
+    _finish(r, base, ids)
+    pages = torch.tensor(base.pages, device=eng.runner.device)
+    for i in range(L):
+        eng.runner.kv_caches[i].index_fill_(0, pages, 7.0)
+    r.writer.flush()
+    res, got = _restore(llm, r.store, ids, keys, [0] * L, LoadConfig())
+    assert res.failures == [] and all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
     eng.block_manager.release(base)
 
 
