@@ -137,6 +137,8 @@ class Restorer:
         self.profile = LatencyProfile()
         self.plan_bandwidth = self.bandwidth()  # what the last plan assumed (bytes/s)
         self.writer = self._new_writer(self.store)
+        if cfg.store_codec is not None and engine.runner.device.type == "cuda":
+            _build_zip_kernels(probe.to(engine.runner.device))
         self._reader: ChunkReader | None = None
         self.stats = RestoreStats()
         self.history: deque[RestoreRecord] = deque(maxlen=256)
@@ -500,6 +502,19 @@ class Restorer:
         if self.writer is not None:
             self.writer.close()
         self.store.close()
+
+
+def _build_zip_kernels(kv: torch.Tensor) -> None:
+    """Compile the Triton encode and decode kernels of ZipFusion entries now, not inside the first restoration's
+    loads or the first finished request's write (a JIT build takes seconds)."""
+    from ..cache import zipblocks
+    from ..kernels import zip_unpack
+    from ..store.zip_entry import BLOCK_SIZE, encode_entries
+
+    desc, slots = encode_entries(kv.reshape(1, -1), tuple(kv.shape))
+    sizes = zipblocks.block_sizes(desc, BLOCK_SIZE)
+    zip_unpack.unpack(slots.reshape(-1), desc, sizes.cumsum(1) - sizes, BLOCK_SIZE)
+    torch.cuda.synchronize(kv.device)
 
 
 def make_restorer(engine: "LLMEngine") -> Restorer | None:
