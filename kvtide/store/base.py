@@ -370,8 +370,7 @@ def _zip_entry(blob: bytes, payload: memoryview, off: int, shape: list[int], blo
         span = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     else:
         span = torch.frombuffer(blob, dtype=torch.uint8, count=len(payload), offset=off)
-    pad = -(-nb // 16) * 16
-    e = ZipEntry(span[:nb], span[pad:], tuple(shape), block_size, span)
+    e = ZipEntry(None, None, tuple(shape), block_size, span)
     return e.decode() if decode else e
 
 

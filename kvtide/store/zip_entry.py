@@ -13,7 +13,7 @@ shape are those of the decoded KV; its checksum covers the payload like any othe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import numpy as np
 import torch
@@ -29,23 +29,36 @@ def _pad16(n: int) -> int:
     return -(-n // zb.ALIGN) * zb.ALIGN
 
 
-@dataclass(frozen=True)
 class ZipEntry:
     """One entry's KV as descriptors ``desc`` (uint8 [nb]) and blocks ``data`` (uint8; packed from byte 0, possibly
     followed by unused bytes of a fixed-size slot). ``span``: desc, padding and data as one contiguous byte view
-    (set for entries read from a record: one copy moves the whole payload)."""
+    (entries read from a record: one copy moves the whole payload; desc and data are then sliced from it when first
+    asked for, since the executor's device path never needs them on the host)."""
 
-    desc: torch.Tensor
-    data: torch.Tensor
-    shape: tuple[int, ...]
-    block_size: int = BLOCK_SIZE
-    span: torch.Tensor | None = None
-
+    __slots__ = ("shape", "block_size", "span", "num_blocks", "_desc", "_data")
     dtype = torch.bfloat16
 
+    def __init__(self, desc: torch.Tensor | None, data: torch.Tensor | None, shape: tuple[int, ...],
+                 block_size: int = BLOCK_SIZE, span: torch.Tensor | None = None) -> None:
+        if (desc is None or data is None) and span is None:
+            raise ValueError("a ZipEntry needs desc and data, or the span holding both")
+        self.shape = tuple(shape)
+        self.block_size = block_size
+        self.span = span
+        self.num_blocks = desc.numel() if desc is not None else math.prod(self.shape) // block_size
+        self._desc, self._data = desc, data
+
     @property
-    def num_blocks(self) -> int:
-        return self.desc.numel()
+    def desc(self) -> torch.Tensor:
+        if self._desc is None:
+            self._desc = self.span[:self.num_blocks]
+        return self._desc
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            self._data = self.span[_pad16(self.num_blocks):]
+        return self._data
 
     def packed_nbytes(self) -> int:
         """Bytes of the packed blocks (host read of the descriptors)."""
@@ -60,16 +73,20 @@ class ZipEntry:
     @property
     def held_nbytes(self) -> int:
         """Memory this object keeps alive (a writer's queue bound counts it)."""
+        if self.span is not None:
+            return self.span.numel()
         return self.desc.numel() + self.data.numel()
 
     def decode(self) -> torch.Tensor:
         """The bit-exact BF16 tensor, on the entry's device (torch reference; the executor decodes many at once on
         the GPU instead)."""
         nb, bsz = self.num_blocks, self.block_size
+        if not nb:
+            return torch.empty(self.shape, dtype=torch.bfloat16)
         sizes = zb.block_sizes(self.desc, bsz)
         offsets = sizes.cumsum(0) - sizes
         bits = zb.unpack(self.data[:self.packed_nbytes()], self.desc, offsets, bsz)  # sizes are multiples of 16
-        return bits.view(torch.bfloat16).reshape(self.shape) if nb else torch.empty(self.shape, dtype=torch.bfloat16)
+        return bits.view(torch.bfloat16).reshape(self.shape)
 
 
 def check_payload(desc: np.ndarray, payload_len: int, numel: int, block_size: int) -> str | None:
@@ -81,11 +98,10 @@ def check_payload(desc: np.ndarray, payload_len: int, numel: int, block_size: in
     nb = numel // block_size
     if desc.size != nb:
         return f"{desc.size} descriptors for {nb} blocks"
-    raw = desc == zb.RAW
-    if bool(np.any((desc > 0x7F) & ~raw)):
+    raw = int(np.count_nonzero(desc == zb.RAW))
+    if int(np.count_nonzero(desc > 0x7F)) != raw:
         return "descriptor outside format v1"
-    want = _pad16(nb) + int(np.count_nonzero(raw)) * zb.raw_nbytes(block_size) \
-        + (nb - int(np.count_nonzero(raw))) * zb.compressed_nbytes(block_size)
+    want = _pad16(nb) + raw * zb.raw_nbytes(block_size) + (nb - raw) * zb.compressed_nbytes(block_size)
     if payload_len != want:
         return f"payload {payload_len} bytes, its descriptors say {want}"
     return None
