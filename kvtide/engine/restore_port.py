@@ -176,7 +176,7 @@ class ChunkReader:
         layers = range(r.model.args.num_layers)
         out: list[list[ZipEntry]] = []
 
-        def split(x: torch.Tensor, desc: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...]) -> list[ZipEntry]:
+        def split(desc: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...]) -> list[ZipEntry]:
             return [ZipEntry(desc[k], slots[k], shape) for k in range(desc.shape[0])]
 
         if self.stream is None:
@@ -184,7 +184,7 @@ class ChunkReader:
                 x = _gather(r, i, idx)
                 groups, shape = _chunk_groups(x, chunk)
                 desc, slots = encode_entries(groups, shape)
-                out.append(split(x, desc, slots, shape))
+                out.append(split(desc, slots, shape))
             return out, None
         on_device = [_gather(r, i, idx) for i in layers]
         self.stream.wait_stream(torch.cuda.current_stream(r.device))
@@ -197,7 +197,7 @@ class ChunkReader:
                 slots_h = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
                 desc_h.copy_(desc, non_blocking=True)
                 slots_h.copy_(slots, non_blocking=True)
-                out.append(split(x, desc_h, slots_h, shape))
+                out.append(split(desc_h, slots_h, shape))
             done = torch.cuda.Event()
             done.record(self.stream)
         return out, done

@@ -70,6 +70,7 @@ import torch
 
 from kvtide.cache import zipblocks as zip_blocks
 from kvtide.store.base import ChunkCorrupt, token_array
+from kvtide.store.zip_entry import BLOCK_SIZE as ZIP_BLOCK_SIZE
 from kvtide.store.zip_entry import ZipEntry
 from kvtide.store.keys import ChunkKey
 
@@ -457,6 +458,9 @@ class RestoreExecutor:
                 if tuple(kv.shape) != want:
                     raise ChunkCorrupt(f"entry {key.entry_name(layer)} has shape {list(kv.shape)}, expected "
                                        f"{list(want)}", key.entry_name(layer))
+                if isinstance(kv, ZipEntry) and kv.block_size != ZIP_BLOCK_SIZE:  # one decode launch per fetch
+                    raise ChunkCorrupt(f"entry {key.entry_name(layer)} has ZipFusion blocks of {kv.block_size}, this "
+                                       f"loader decodes blocks of {ZIP_BLOCK_SIZE}", key.entry_name(layer))
                 return kv
             except Exception as e:  # noqa: BLE001 - any failure of a tier means "recompute this", never garbage
                 return e
@@ -750,7 +754,8 @@ def _unzip(dev: torch.Tensor, entries: list, offs: list[int], sizes: list[int]
            ) -> tuple[torch.Tensor, list[int], list[int]]:
     """Entries staged in ``dev`` (uint8; entry k at byte ``offs[k]``, ``sizes[k]`` bytes, a ``ZipEntry``'s payload or
     plain KV) -> a new buffer of plain KV, entry k at ``k * raw``: one Triton launch decodes every ZipFusion block of
-    the fetch on the device, with no host sync (the store checked each payload's descriptors and length)."""
+    the fetch on the device, with no host sync (the store checked each payload's descriptors and length; the loader,
+    their block size). A plain entry among them is BF16 like the zipped ones: chunk keys carry the KV dtype."""
     from kvtide.kernels import zip_unpack  # Triton: imported by the first fetch that needs it
     raw = entries[0].numel() * 2 if isinstance(entries[0], torch.Tensor) else math.prod(entries[0].shape) * 2
     out = torch.empty(len(entries) * raw, dtype=torch.uint8, device=dev.device)

@@ -123,3 +123,37 @@ def test_codec_config_is_checked() -> None:
         RestoreConfig(store_codec="zstd")
     with pytest.raises(ValueError, match="bfloat16"):
         EngineConfig(cache=CacheConfig(kv_dtype="float32"), restore=RestoreConfig(chunk_tokens=32, store_codec="zip"))
+
+
+def test_zip_entry_of_another_block_size_is_a_counted_fallback() -> None:
+    """A record the loader cannot decode in its one launch (blocks of 256, not 512) costs a recompute, counted; the
+    tokens stay those of the intact store."""
+    llm = restore_llm(kv_dtype="bfloat16", store_codec="zip")
+    r = llm.engine.restorer
+    first = text_ids(llm, 4200, 100)
+    b = first + text_ids(llm, 5200, 12)
+    fresh_store(llm)
+    llm.generate(first, greedy(2))
+    r.writer.flush()
+    r.cfg.method = "load"
+    ref = _turn(llm, b)
+    key = chunk_keys(first[:96], r.keyspace)[1]
+    kv = r.store.get(key, 3, first[32:64])
+    r.store.put(key, 3, first[32:64], from_tensor(kv, block_size=256))
+    n0 = r.stats.load_failures
+    out = _turn(llm, b)
+    r.cfg.method = "cacheflow"
+    assert out == ref and r.stats.load_failures > n0
+    r.writer.flush()  # the finished turn rewrote the chunk it recomputed: damage it again for the executor alone
+    healed = r.store.open(r.store._read(key.entry_name(3)), key, 3, first[32:64], decode=False).tensor
+    assert healed.block_size == 512 and torch.equal(healed.decode().view(torch.int16), kv.view(torch.int16))
+    r.store.put(key, 3, first[32:64], from_tensor(kv, block_size=256))
+    eng, L = llm.engine, llm.engine.model.args.num_layers
+    seq = Sequence("bs", None, list(b), greedy(1))
+    assert eng.block_manager.allocate(seq, len(b))
+    with torch.inference_mode():
+        res = RestoreExecutor(EnginePort(eng.runner, [seq]), r.store, 32).run(
+            [RestoreJob(b, 0, 96, len(b), chunk_keys(first[:96], r.keyspace), [0] * L)])
+    eng.block_manager.release(seq)
+    assert [(f.layer, f.chunk, f.error) for f in res.failures] == [(3, 1, "ChunkCorrupt")]
+    assert "blocks of 256" in res.failures[0].message and res.fallback_requests == [0]
