@@ -14,9 +14,10 @@ Record format, version 3 (all little endian)::
     8   4  meta_len (u32)
     12  8  body_len (u64)              = 4 * num_tokens + payload bytes
     20  16 checksum of meta || body: XXH3-128 (xxhash), little endian
-    36  meta: UTF-8 JSON {"key", "layer", "dtype", "shape", "num_tokens", "byteorder"}, space-padded so the
-        payload starts on a 64-byte boundary of the record (zero-copy views, aligned copies)
-        body: token ids (u32) then the KV tensor's raw bytes (C order), e.g. [2, tokens, kv_heads, head_dim] BF16
+    36  meta: UTF-8 JSON {"key", "layer", "dtype", "shape", "num_tokens", "byteorder"[, "codec", "block_size"]},
+        space-padded so the payload starts on a 64-byte boundary of the record (zero-copy views, aligned copies)
+        body: token ids (u32) then the KV tensor's raw bytes (C order), e.g. [2, tokens, kv_heads, head_dim] BF16;
+        with ``"codec": "zip1"`` the same KV in the ZipFusion format instead (:mod:`kvtide.store.zip_entry`)
 
 Versions 1 (blake2b-128, no padding) and 2 (CRC-32 then 12 zero bytes) are still read. The load path is bound by
 checksum speed: blake2b ran 0.6 GB/s a core, zlib's CRC-32 1.6 (this 2-core CPU), XXH3-128 18 GB/s. With CRC-32 a
