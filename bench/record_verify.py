@@ -75,12 +75,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=100, help="passes over the 8 entries per round")
     rev_rounds.add_args(ap, "store")
-    a = ap.parse_args()
-    if a.child:
-        print(json.dumps(measure(a.reps)))
+    a, rounds = rev_rounds.parse_and_run(ap, measure, __file__)
+    if rounds is None:  # a --child round
         return 0
-    sys.path.insert(0, str(ROOT))
-    rounds = rev_rounds.run(measure, __file__, a.reps, a.rounds, a.compare)
     res = {}
     for side, rs in rounds.items():
         if rs:

@@ -45,6 +45,18 @@ def run(measure: Callable[[int], dict], script: str, reps: int, rounds: int,
     return out
 
 
+def parse_and_run(ap: argparse.ArgumentParser, measure: Callable[[int], dict], script: str
+                  ) -> tuple[argparse.Namespace, dict[str, list[dict]] | None]:
+    """Parse the bench's flags; as ``--child``, print this tree's ``measure(reps)`` and return (args, None), else
+    (args, the rounds of ``run``) with this tree first on ``sys.path``."""
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(measure(a.reps)))
+        return a, None
+    sys.path.insert(0, str(ROOT))
+    return a, run(measure, script, a.reps, a.rounds, a.compare)
+
+
 def head() -> str:
     """The short commit of this tree (the "this" side is its working tree)."""
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -534,8 +534,7 @@ class RestoreExecutor:
                     stage(k)
             dev = host.to(self.port.device, non_blocking=True)
         if any(isinstance(kv, ZipEntry) for _, kv in ok):  # one decode launch for the fetch: then all plain KV
-            dev, offs, sizes = _unzip(dev, [kv for _, kv in ok], offs, sizes)
-            ok = [(i, torch.empty(kv.shape, dtype=kv.dtype, device="meta")) for i, kv in ok]  # shapes for the runs
+            dev, offs, sizes = _unzip(dev, [kv for _, kv in ok], offs, sizes)  # ZipEntry has .shape, .dtype
         chunks = getattr(self.port, "write_kv_chunks", None)
         runs = _chunk_runs([flat[i] for i, _ in ok], [tuple(kv.shape) for _, kv in ok], offs, sizes, C) \
             if chunks is not None else [(k, k + 1) for k in range(len(ok))]
@@ -757,7 +756,7 @@ def _unzip(dev: torch.Tensor, entries: list, offs: list[int], sizes: list[int]
     the fetch on the device, with no host sync (the store checked each payload's descriptors and length; the loader,
     their block size). A plain entry among them is BF16 like the zipped ones: chunk keys carry the KV dtype."""
     from kvtide.kernels import zip_unpack  # Triton: imported by the first fetch that needs it
-    raw = entries[0].numel() * 2 if isinstance(entries[0], torch.Tensor) else math.prod(entries[0].shape) * 2
+    raw = math.prod(entries[0].shape) * 2
     out = torch.empty(len(entries) * raw, dtype=torch.uint8, device=dev.device)
     zk = [k for k, e in enumerate(entries) if isinstance(e, ZipEntry)]
     for k, e in enumerate(entries):

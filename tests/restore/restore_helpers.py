@@ -140,3 +140,28 @@ class EntryByEntry:
         if name in ("fetch", "open"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def prefill(eng: Any, ids: list[int]) -> Any:
+    """A sequence of ``ids`` prefilled in the engine's pages (not released): what a prefill of the prefix writes."""
+    from kvtide.engine.sequence import Sequence
+
+    seq = Sequence(f"p{len(ids)}-{id(ids)}", None, list(ids), greedy(1))
+    assert eng.block_manager.allocate(seq, len(ids))
+    eng.runner.execute([(seq, len(ids))], [None])
+    return seq
+
+
+def prefix_kv(eng: Any, seq: Any, n: int) -> list:
+    """Copies of the first ``n`` tokens' pages of ``seq``, per layer."""
+    import torch
+
+    p = eng.block_manager.page_size
+    pages = torch.tensor(seq.pages[: n // p])
+    return [eng.runner.kv_caches[i][pages].clone() for i in range(eng.model.args.num_layers)]
+
+
+def write_prefix(r: Any, seq: Any, ids: list[int], n: int) -> None:
+    """Hand ``seq``'s first ``n`` tokens to the restorer as a finished request would, and wait for the store."""
+    r.on_finish(type("S", (), {"num_computed_tokens": n, "pages": seq.pages, "token_ids": ids[:n]})())
+    r.writer.flush()

@@ -153,29 +153,37 @@ def test_cuda_failed_load_falls_back():
     eng.block_manager.release(base)
 
 
+def _check_store_loads(llm, store, ids, keys, want, ref, L):
+    """Load-only through three LoadConfigs (exact prefill bytes, prefill logits), a hybrid plan with stealing, and a
+    failure after two entries (counted fallback, same logits), all from ``store``."""
+    from kvtide.restore.executor import LoadConfig
+    from tests.restore.restore_helpers import FailAfter
+
+    for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2)):
+        res, got = _restore(llm, store, ids, keys, [0] * L, load)
+        assert res.failures == [] and res.loaded_tokens == L * N
+        assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want)), load
+        assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+    half = [N if i < L // 2 else N // 2 for i in range(L)]
+    res, _ = _restore(llm, store, ids, keys, half, LoadConfig(steal=True))
+    assert res.failures == [] and torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+    res, _ = _restore(llm, FailAfter(store, ok=2), ids, keys, [0] * L, LoadConfig())
+    assert res.failures and res.fallback_requests == [0]
+    assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+
+
 def test_cuda_pinned_store_dma_places_prefill_bytes_and_releases_after_the_copies():
     """Records in page-locked slabs go to the device by DMA straight from the record: the same bytes land, with
     stealing and with a failure mid-load, and no lease outlives its copies."""
     from kvtide.restore.executor import LoadConfig
     from kvtide.store import PinnedMemoryStore
-    from tests.restore.restore_helpers import FailAfter
 
     llm, ids = _setup()
     eng, r, L, base, want, keys = _stored(llm, ids)
     pinned = PinnedMemoryStore.filled_from(r.store, 256 << 20, slab_bytes=4 << 20)
     assert pinned.pinned
     ref, _ = _restore(llm, pinned, ids, keys, [N] * L, LoadConfig())
-    for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2)):
-        res, got = _restore(llm, pinned, ids, keys, [0] * L, load)
-        assert res.failures == [] and res.loaded_tokens == L * N
-        assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want)), load
-        assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
-    half = [N if i < L // 2 else N // 2 for i in range(L)]
-    res, _ = _restore(llm, pinned, ids, keys, half, LoadConfig(steal=True))
-    assert res.failures == [] and torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
-    res, _ = _restore(llm, FailAfter(pinned, ok=2), ids, keys, [0] * L, LoadConfig())
-    assert res.failures and res.fallback_requests == [0]
-    assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+    _check_store_loads(llm, pinned, ids, keys, want, ref, L)
     torch.cuda.synchronize()
     assert pinned.leased == 0
     eng.block_manager.release(base)
@@ -188,7 +196,6 @@ def test_cuda_zip_store_encodes_on_device_and_places_prefill_bytes():
     from kvtide.restore.executor import LoadConfig
     from kvtide.store import PinnedMemoryStore
     from kvtide.store.zip_entry import ZipEntry
-    from tests.restore.restore_helpers import FailAfter
 
     llm, ids = _setup("zip")
     eng, r, L, base, want, keys = _stored(llm, ids)
@@ -199,17 +206,7 @@ def test_cuda_zip_store_encodes_on_device_and_places_prefill_bytes():
     ref, _ = _restore(llm, r.store, ids, keys, [N] * L, LoadConfig())
     pinned = PinnedMemoryStore.filled_from(r.store, 256 << 20, slab_bytes=4 << 20)
     for store in (r.store, pinned):
-        for load in (LoadConfig(), LoadConfig(workers=0), LoadConfig(workers=3, batch_bytes=1, read_ahead=2)):
-            res, got = _restore(llm, store, ids, keys, [0] * L, load)
-            assert res.failures == [] and res.loaded_tokens == L * N
-            assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want)), load
-            assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
-        half = [N if i < L // 2 else N // 2 for i in range(L)]
-        res, _ = _restore(llm, store, ids, keys, half, LoadConfig(steal=True))
-        assert res.failures == [] and torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
-        res, _ = _restore(llm, FailAfter(store, ok=2), ids, keys, [0] * L, LoadConfig())
-        assert res.failures and res.fallback_requests == [0]
-        assert torch.allclose(res.logits.float(), ref.logits.float(), atol=0.1, rtol=0.05)
+        _check_store_loads(llm, store, ids, keys, want, ref, L)
     torch.cuda.synchronize()
     assert pinned.leased == 0
     eng.block_manager.release(base)

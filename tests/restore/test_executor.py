@@ -13,7 +13,8 @@ from kvtide.engine.sequence import Sequence
 from kvtide.restore.executor import RestoreExecutor, RestoreJob
 from kvtide.store.keys import chunk_keys
 from tests.restore.restore_helpers import (
-    CHUNK, forced_plan, fresh_store, greedy, mixed_staircase, no_restore, restore_llm, text_ids, two_turns,
+    CHUNK, forced_plan, fresh_store, greedy, mixed_staircase, no_restore, prefill, prefix_kv, restore_llm, text_ids,
+    two_turns, write_prefix,
 )
 
 
@@ -85,19 +86,6 @@ def test_device_hits_first_then_store_chunks():
     assert out.token_ids == ref
 
 
-def _prefill(eng, ids: list[int]) -> Sequence:
-    seq = Sequence(f"p{len(ids)}-{id(ids)}", None, list(ids), greedy(1))
-    assert eng.block_manager.allocate(seq, len(ids))
-    eng.runner.execute([(seq, len(ids))], [None])
-    return seq
-
-
-def _prefix_kv(eng, seq: Sequence, n: int) -> list[torch.Tensor]:
-    p = eng.block_manager.page_size
-    pages = torch.tensor(seq.pages[: n // p])
-    return [eng.runner.kv_caches[i][pages].clone() for i in range(eng.model.args.num_layers)]
-
-
 def test_bf16_restored_kv_bytes_equal_prefill():
     """bf16 KV: loads place the prefill's exact bytes; recompute-only replays exactly what a prefill computes."""
     llm = restore_llm(kv_dtype="bfloat16")
@@ -108,17 +96,16 @@ def test_bf16_restored_kv_bytes_equal_prefill():
     ids = text_ids(llm, 4000, 96 + 12)
     n = 96
     with torch.inference_mode():
-        base = _prefill(eng, ids[:n])  # what a prefill of the prefix writes
-        want = _prefix_kv(eng, base, n)
-        r.on_finish(type("S", (), {"num_computed_tokens": n, "pages": base.pages, "token_ids": ids[:n]})())
-        r.writer.flush()
+        base = prefill(eng, ids[:n])  # what a prefill of the prefix writes
+        want = prefix_kv(eng, base, n)
+        write_prefix(r, base, ids, n)
         keys = chunk_keys(ids[:n], r.keyspace)
         for name, js in (("load", [0] * L), ("recompute", [n] * L), ("staircase", mixed_staircase(n, L))):
             seq = Sequence(name, None, list(ids), greedy(1))
             assert eng.block_manager.allocate(seq, len(ids))
             res = RestoreExecutor(EnginePort(eng.runner, [seq]), store, CHUNK).run(
                 [RestoreJob(ids, 0, n, len(ids), keys, js)])
-            got = _prefix_kv(eng, seq, n)
+            got = prefix_kv(eng, seq, n)
             if name == "staircase":  # rows of a shorter batch: same math, bits may differ in the last place
                 assert all(torch.allclose(g.float(), w.float(), atol=0.05, rtol=0.02) for g, w in zip(got, want))
             else:

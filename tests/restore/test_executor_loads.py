@@ -15,8 +15,9 @@ from kvtide.engine.sequence import Sequence
 from kvtide.restore.executor import LoadConfig, RestoreExecutor, RestoreJob
 from kvtide.store import BandwidthLimitedStore, TokenBucket
 from kvtide.store.keys import chunk_keys
-from tests.restore.restore_helpers import CHUNK, EntryByEntry, fresh_store, greedy, restore_llm, text_ids
-from tests.restore.test_executor import _prefill, _prefix_kv
+from tests.restore.restore_helpers import (
+    CHUNK, EntryByEntry, fresh_store, greedy, prefill, prefix_kv, restore_llm, text_ids, write_prefix,
+)
 
 N = 96
 
@@ -30,10 +31,9 @@ def stored():
     store = fresh_store(llm)
     ids = text_ids(llm, 6000, N + 12)
     with torch.inference_mode():
-        base = _prefill(eng, ids[:N])
-        want = _prefix_kv(eng, base, N)
-        r.on_finish(type("S", (), {"num_computed_tokens": N, "pages": base.pages, "token_ids": ids[:N]})())
-        r.writer.flush()
+        base = prefill(eng, ids[:N])
+        want = prefix_kv(eng, base, N)
+        write_prefix(r, base, ids, N)
         eng.block_manager.release(base)
     return llm, store, ids, want, chunk_keys(ids[:N], r.keyspace)
 
@@ -45,7 +45,7 @@ def _run(llm, store, ids, keys, js, load: LoadConfig | None = None):
     with torch.inference_mode():
         res = RestoreExecutor(EnginePort(eng.runner, [seq]), store, CHUNK, load).run(
             [RestoreJob(ids, 0, N, len(ids), keys, js)])
-    got = _prefix_kv(eng, seq, N)
+    got = prefix_kv(eng, seq, N)
     eng.block_manager.release(seq)
     return res, got
 
@@ -138,7 +138,7 @@ def _steal_run(llm, store, ids, keys, js, steal: bool, delay: float = 0.02, prof
         res = RestoreExecutor(SlowStaircase(EnginePort(eng.runner, [seq]), delay), store, CHUNK,
                               LoadConfig(steal=steal)).run([RestoreJob(ids, 0, N, len(ids), keys, js)],
                                                            profile=profile)
-    got = _prefix_kv(eng, seq, N)
+    got = prefix_kv(eng, seq, N)
     eng.block_manager.release(seq)
     return res, got
 

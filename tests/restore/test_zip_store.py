@@ -18,8 +18,9 @@ from kvtide.store import MemoryStore
 from kvtide.store.base import encode_record
 from kvtide.store.keys import KeySpace, chunk_keys
 from kvtide.store.zip_entry import ZipEntry, from_tensor
-from tests.restore.restore_helpers import forced_plan, fresh_store, greedy, mixed_staircase, restore_llm, text_ids
-from tests.restore.test_executor import _prefill, _prefix_kv
+from tests.restore.restore_helpers import (
+    forced_plan, fresh_store, greedy, mixed_staircase, prefill, prefix_kv, restore_llm, text_ids, write_prefix,
+)
 
 METHODS = ["load", "cacheflow", "recompute", "cake", "layerwise"]
 
@@ -66,10 +67,9 @@ def test_zip_store_pages_hold_the_prefill_bytes() -> None:
     L, n = eng.model.args.num_layers, 96
     ids = text_ids(llm, 2600, n + 8)
     with torch.inference_mode():
-        base = _prefill(eng, ids[:n])
-        want = _prefix_kv(eng, base, n)
-        r.on_finish(type("S", (), {"num_computed_tokens": n, "pages": base.pages, "token_ids": ids[:n]})())
-        r.writer.flush()
+        base = prefill(eng, ids[:n])
+        want = prefix_kv(eng, base, n)
+        write_prefix(r, base, ids, n)
         keys = chunk_keys(ids[:n], r.keyspace)
         e = store.open(store._read(keys[1].entry_name(L - 1)), keys[1], L - 1, ids[32:64], decode=False).tensor
         assert isinstance(e, ZipEntry)
@@ -79,7 +79,7 @@ def test_zip_store_pages_hold_the_prefill_bytes() -> None:
             res = RestoreExecutor(EnginePort(eng.runner, [seq]), store, 32).run(
                 [RestoreJob(ids, 0, n, len(ids), keys, js)])
             assert res.failures == []
-            got = _prefix_kv(eng, seq, n)
+            got = prefix_kv(eng, seq, n)
             if name == "load":
                 assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want))
             else:  # loaded layers exact, replayed rows of a shorter batch within bf16 rounding
