@@ -10,9 +10,12 @@ each request's ids converted once by ``token_array`` and sliced per entry; older
 each of 8 entries opened 4 times, then hashed alone 4 times, after one untimed call each (the record in cache for
 both: the hash is short and the Python part shows; with records cycled through memory the two passes' cache states
 differed and the difference swung 20-75 us run to run). ``held_us`` = open - hash alone: the part of a verify
-outside the checksum. ``--compare REV`` times REV's ``kvtide`` in a child process, rounds alternating.
+outside the checksum. ``zip_*``: the same for the same KV stored in the ZipFusion format (``store_codec="zip"``),
+opened with ``decode=False`` as the executor does (trees that have it). ``--compare REV`` times REV's ``kvtide`` in a
+child process, rounds alternating.
 
     python bench/record_verify.py --compare HEAD~1 --out bench/results/record_verify_cpu.json
+    python bench/record_verify.py --compare 00d045a --out bench/results/record_verify_zip_cpu.json  # before the trim
 """
 from __future__ import annotations
 
@@ -33,7 +36,21 @@ SHAPE = (2, 512, 8, 128)
 
 
 def measure(reps: int) -> dict[str, float]:
-    """Median microseconds per open and per hash of the same record, with the kvtide on sys.path."""
+    """Median microseconds per open and per hash of the same record, with the kvtide on sys.path; with a ``zip_``
+    prefix the same for ZipFusion-format records opened as the executor opens them (``decode=False``), on trees
+    that have them."""
+    import torch
+
+    kv = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = _measure(reps, kv, "")
+    try:
+        from kvtide.store.zip_entry import from_tensor
+    except ImportError:  # trees before the ZipFusion-format store
+        return out
+    return {**out, **_measure(reps, from_tensor(kv), "zip_", decode=False)}
+
+
+def _measure(reps: int, kv, prefix: str, **open_kw) -> dict[str, float]:
     import torch
     import xxhash
 
@@ -45,7 +62,6 @@ def measure(reps: int) -> dict[str, float]:
     ids = [int(x) for x in torch.randint(0, 128000, (8 * chunk + 16,), generator=torch.Generator().manual_seed(0))]
     keys = chunk_keys(ids, space)
     store = MemoryStore(1 << 30)
-    kv = torch.randn(SHAPE).bfloat16()
     for c, k in enumerate(keys):
         store.put(k, 3, ids[c * chunk:(c + 1) * chunk], kv)
     try:  # this tree: converted once per request, as the executor does
@@ -59,7 +75,7 @@ def measure(reps: int) -> dict[str, float]:
     for _ in range(reps):  # per entry: 4 opens, then 4 hashes of the same record, in cache for all but the first
         for c, (k, blob) in enumerate(zip(keys, blobs)):
             ids_c = conv[c * chunk:(c + 1) * chunk]
-            for name, fn in (("open_us", lambda: store.open(blob, k, 3, ids_c, copy=False)),
+            for name, fn in (("open_us", lambda: store.open(blob, k, 3, ids_c, copy=False, **open_kw)),
                              ("hash_us", lambda: xxhash.xxh3_128_intdigest(blob))):
                 fn()
                 for _ in range(4):
@@ -68,7 +84,7 @@ def measure(reps: int) -> dict[str, float]:
                     out[name].append(1e6 * (time.perf_counter() - t0))
     res = {k: statistics.median(v) for k, v in out.items()}
     res["held_us"] = res["open_us"] - res["hash_us"]
-    return res
+    return {prefix + k: v for k, v in res.items()}
 
 
 def main() -> int:
@@ -86,6 +102,8 @@ def main() -> int:
     if "compare" in res:
         res["held_ratio_compare_over_this"] = res["compare"]["held_us"] / res["this"]["held_us"]
         print(f"GIL-held part per entry: {res['compare']['held_us']:.1f} -> {res['this']['held_us']:.1f} us")
+        if "zip_held_us" in res["compare"] and "zip_held_us" in res["this"]:
+            print(f"zip entries: {res['compare']['zip_held_us']:.1f} -> {res['this']['zip_held_us']:.1f} us")
     import numpy
     import torch
 
@@ -93,7 +111,8 @@ def main() -> int:
         "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "numpy": numpy.__version__, "torch": torch.__version__,
         "xxhash": __import__("xxhash").VERSION, "this": rev_rounds.head() + " (working tree)", "compare": a.compare,
-        "entry": f"{list(SHAPE)} bfloat16 (the 8B shape's chunk-layer record, 2 MiB), MemoryStore, copy=False",
+        "entry": f"{list(SHAPE)} bfloat16 (the 8B shape's chunk-layer record, 2 MiB), MemoryStore, copy=False; zip_*: "
+                 "the same KV (randn) as a ZipFusion-format record, opened with decode=False",
         "units": "microseconds per entry, median over rounds of the median over --reps passes of 8 entries"}}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
