@@ -1,7 +1,8 @@
 """This tree's ``kvtide`` against an earlier revision's, timed in alternating rounds (shared by the benches that
 take ``--compare REV``: planner_speed, record_verify).
 
-REV's ``kvtide`` is checked out (``git archive``) into a temporary directory; each round runs ``measure(reps)`` here,
+REV's ``kvtide`` is checked out (``git archive``) into a temporary directory (REV may also name a directory that
+holds a ``kvtide/`` already, for machines without the git history, such as the lent GPU host); each round runs ``measure(reps)`` here,
 then the calling script again as ``--child --reps N`` with that directory first on ``PYTHONPATH``, which must print
 the same dict as JSON on its last line. Alternating keeps both sides on the same machine state.
 """
@@ -32,14 +33,17 @@ def run(measure: Callable[[int], dict], script: str, reps: int, rounds: int,
     """Per side ("this", and "compare" when REV is given), the dict of each round."""
     out: dict[str, list[dict]] = {"this": [], "compare": []}
     with tempfile.TemporaryDirectory() as tmp:
-        if compare:
+        if compare and (Path(compare) / "kvtide").is_dir():
+            tmp = str(Path(compare).resolve())
+        elif compare:
             arch = subprocess.run(["git", "archive", compare, "kvtide"], cwd=ROOT, check=True, capture_output=True)
             subprocess.run(["tar", "-x", "-C", tmp], input=arch.stdout, check=True)
         for _ in range(rounds):
             out["this"].append(measure(reps))
             if compare:
+                path = os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))
                 r = subprocess.run([sys.executable, script, "--child", "--reps", str(reps)],
-                                   env={**os.environ, "PYTHONPATH": tmp}, check=True, capture_output=True, text=True,
+                                   env={**os.environ, "PYTHONPATH": path}, check=True, capture_output=True, text=True,
                                    cwd=tmp)
                 out["compare"].append(json.loads(r.stdout.strip().splitlines()[-1]))
     return out

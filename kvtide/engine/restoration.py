@@ -39,7 +39,8 @@ from ..store.base import encode_record
 from ..store.factory import open_store
 from ..store.keys import ChunkKey, KeySpace, chunk_keys
 from ..store.writer import StoreWriter
-from .restore_port import ChunkReader, EnginePort
+from .chunk_reader import ChunkReader
+from .restore_port import EnginePort
 from .sampler import sample
 from .sequence import Sequence, Status
 

@@ -11,7 +11,6 @@ import torch
 
 from ..kernels.paged_attention_ref import write_kv
 from ..restore.executor import Segment
-from ..store.zip_entry import ZipEntry, encode_entries
 from .attention import BatchLayout
 from .model_runner import ModelRunner
 from .sequence import Sequence as Seq
@@ -120,94 +119,3 @@ class EnginePort:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h)
-
-
-def _gather(runner: ModelRunner, layer: int, idx: torch.Tensor) -> torch.Tensor:
-    """[2, pages * page_size, kv_heads, head_dim] of one layer, on the KV's device: a new tensor (the gather and
-    the permute copy), never a view of the cache."""
-    if runner.store is not None:
-        pages = runner.store.read_pages(layer, idx)
-    else:
-        pages = runner.kv_caches[layer].index_select(0, idx)
-    n, _, p, hk, d = pages.shape
-    return pages.permute(1, 0, 2, 3, 4).reshape(2, n * p, hk, d)
-
-
-class ChunkReader:
-    """Copies chunks out of their pages for the store writer without stalling the step loop.
-
-    The gather runs on the compute stream, so it reads the pages before any later step can reuse them. On CUDA the
-    copy to host memory then runs on a side stream into pinned buffers and the writer waits on its event: a plain
-    ``.to("cpu")`` blocks the engine thread for the whole transfer through pageable memory (an 8K-token request of
-    an 8B model is 1 GiB), time every queued request would wait. On the CPU the gather is the copy.
-    """
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
-
-    def read(self, page_ids: list[int]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
-        """Per layer [2, len(page_ids) * page_size, kv_heads, head_dim] on the CPU, and the event after which they
-        hold the data (None: they already do)."""
-        r = self.runner
-        idx = torch.tensor(page_ids, dtype=torch.long, device=r.device)
-        layers = range(r.model.args.num_layers)
-        if self.stream is None:
-            return [_gather(r, i, idx) for i in layers], None  # new tensors already
-        on_device = [_gather(r, i, idx) for i in layers]
-        self.stream.wait_stream(torch.cuda.current_stream(r.device))
-        host = []
-        with torch.cuda.stream(self.stream):
-            for x in on_device:
-                h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                h.copy_(x, non_blocking=True)
-                x.record_stream(self.stream)  # the compute stream may reuse x's memory only after this copy
-                host.append(h)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return host, done
-
-    def read_zip(self, page_ids: list[int], chunk: int) -> tuple[list[list[ZipEntry]], "torch.cuda.Event | None"]:
-        """Like ``read``, each chunk's layer encoded in the ZipFusion format (``RestoreConfig.store_codec``):
-        ``entries[layer][k]`` is chunk k's. On CUDA the encode runs on the side stream on the device (Triton, fixed
-        slots, no host sync) and only descriptors and slots cross to pinned host memory."""
-        r = self.runner
-        idx = torch.tensor(page_ids, dtype=torch.long, device=r.device)
-        layers = range(r.model.args.num_layers)
-        out: list[list[ZipEntry]] = []
-
-        def split(desc: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...]) -> list[ZipEntry]:
-            return [ZipEntry(desc[k], slots[k], shape) for k in range(desc.shape[0])]
-
-        if self.stream is None:
-            for i in layers:
-                x = _gather(r, i, idx)
-                groups, shape = _chunk_groups(x, chunk)
-                desc, slots = encode_entries(groups, shape)
-                out.append(split(desc, slots, shape))
-            return out, None
-        on_device = [_gather(r, i, idx) for i in layers]
-        self.stream.wait_stream(torch.cuda.current_stream(r.device))
-        with torch.cuda.stream(self.stream):
-            for x in on_device:
-                x.record_stream(self.stream)  # the compute stream may reuse x's memory only after this stream's use
-                groups, shape = _chunk_groups(x, chunk)
-                desc, slots = encode_entries(groups, shape)
-                desc_h = torch.empty(desc.shape, dtype=desc.dtype, pin_memory=True)
-                slots_h = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
-                desc_h.copy_(desc, non_blocking=True)
-                slots_h.copy_(slots, non_blocking=True)
-                out.append(split(desc_h, slots_h, shape))
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return out, done
-
-
-def _chunk_groups(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """[2, K * chunk, heads, dim] -> [K, 2 * chunk * heads * dim] (chunk k's entry in C order) and the entry shape."""
-    two, n, hk, d = x.shape
-    k = n // chunk
-    if k * chunk != n:
-        raise ValueError(f"{n} tokens are not whole chunks of {chunk}")
-    groups = x.view(two, k, chunk, hk, d).transpose(0, 1).reshape(k, -1)
-    return groups, (two, chunk, hk, d)
