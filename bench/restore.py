@@ -66,6 +66,18 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def _pinned_growth() -> dict:
+    """How often, and for how long, torch's pinned host cache grew (``cudaHostAlloc``): the finished requests'
+    chunks cross to host memory through it, and each growth blocks the step loop that asks for the buffer."""
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if not torch.cuda.is_available() or stats is None:
+        return {}
+    s = stats()
+    return {"pinned_grows": s.get("num_host_alloc", 0), "pinned_grow_s": s.get("host_alloc_time.total", 0) / 1e6}
+
+
 class Bench:
     def __init__(self, a: argparse.Namespace):
         self.a = a
@@ -256,7 +268,7 @@ class Bench:
         earlier reading) and ``recs`` (the restorations run since), the differences."""
         e, st = self.eng.stats, self.r.stats
         now = {"prefill_s": e.prefill_seconds, "decode_s": e.decode_seconds, "store_write_s": st.write_seconds,
-               "store_write_wait_s": st.write_wait_seconds}
+               "store_write_wait_s": st.write_wait_seconds, **_pinned_growth()}
         if since is None:
             return now
         out = {k: v - since[k] for k, v in now.items()}
@@ -833,7 +845,7 @@ def _print(con, summary: list[dict], trace: dict | None, g: dict) -> None:
                       f"{r['p99_s']:.2f}", str(r["restored_requests"]), f"{r['mean_batch']:.1f}",
                       f"{r['restore_seconds_mean']:.2f}", str(r["stolen_tokens"]))
         con.print(t)
-        fmt = lambda b: ", ".join(f"{k[:-2]} {v:.2f}" for k, v in b.items())  # noqa: E731
+        fmt = lambda b: ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in b.items())  # noqa: E731
         con.print(f"closed-loop recompute-only run: makespan {trace['closed_loop_makespan_s']:.2f} s (first of the two "
                   f"runs: {trace['closed_loop_makespans_s'][0]:.2f} s); step loop (s): "
                   f"{fmt(trace['closed_loop_busy_s'])}")

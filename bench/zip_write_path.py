@@ -8,7 +8,8 @@ queued request waits, and it lowered the recompute-only saturation of the zip ru
 What: a dense paged cache of the 8B shape (32 layers, 8 KV heads, head dim 128, page 16, bf16; random normal
 values) on CUDA, and one 8192-token request's pages (scattered) read as 512-token chunks: ``host_ms`` is the time
 until the call returns (what the step loop pays), ``done_ms`` until its event completes (the side stream's copy
-and encode). Rounds alternate this tree's ``read_zip`` and ``read`` with ``--compare REV``'s (child process). On a
+and encode). Rounds alternate this tree's ``read_zip`` and ``read`` with ``--compare REV``'s (child process); ``pinned_grows`` counts how often torch's
+pinned host cache grew over the calls (each a ``cudaHostAlloc`` on the step loop). On a
 CPU the shape shrinks to 4 layers and 1024 tokens (a smoke run; the CPU path has no side stream).
 
     python bench/zip_write_path.py --compare 3a10a12 --out bench/results/zip_write_path_h200.json
@@ -16,6 +17,7 @@ CPU the shape shrinks to 4 layers and 1024 tokens (a smoke run; the CPU path has
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -59,7 +61,10 @@ def measure(reps: int) -> dict[str, float]:
     reader = ChunkReader(runner)
     perm = torch.randperm(POOL_PAGES, generator=torch.Generator().manual_seed(1))
     page_ids = [int(x) for x in perm[:tokens // PAGE]]
-    calls = {"zip": lambda: reader.read_zip(page_ids, CHUNK), "plain": lambda: reader.read(page_ids)}
+    per_chunk = "chunk" in inspect.signature(reader.read).parameters  # trees after 3106837 read whole chunks
+    calls = {"zip": lambda: reader.read_zip(page_ids, CHUNK),
+             "plain": (lambda: reader.read(page_ids, CHUNK)) if per_chunk else (lambda: reader.read(page_ids))}
+    grows = _pinned_grows()
     times: dict[str, list[float]] = {f"{k}_{w}": [] for k in calls for w in ("host_ms", "done_ms")}
     for i in range(reps + 1):  # the first call of each is untimed (Triton compile, pinned allocations)
         for name, fn in calls.items():
@@ -75,7 +80,17 @@ def measure(reps: int) -> dict[str, float]:
             if i:
                 times[f"{name}_host_ms"].append(1e3 * (t1 - t0))
                 times[f"{name}_done_ms"].append(1e3 * (t2 - t0))
-    return {k: statistics.median(v) for k, v in times.items()}
+    out = {k: statistics.median(v) for k, v in times.items()}
+    if grows is not None:  # how often torch's pinned cache grew over these calls (cudaHostAlloc on the step loop)
+        out["pinned_grows"] = _pinned_grows() - grows
+    return out
+
+
+def _pinned_grows() -> int | None:
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return stats().get("num_host_alloc", 0) if torch.cuda.is_available() and stats is not None else None
 
 
 def main() -> int:

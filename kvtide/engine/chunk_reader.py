@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ..store.zip_entry import BLOCK_SIZE, ZipEntry, encode_entries
+from ..store.zip_entry import ZipEntry, encode_entries
 from .model_runner import ModelRunner
 
 
@@ -31,14 +31,22 @@ def chunk_groups(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 class ChunkReader:
-    """Reads chunks out of their pages for the store writer.
+    """Reads chunks out of their pages for the store writer: ``read`` and ``read_zip`` return ``per_chunk[c][l]``,
+    chunk c's entry of layer l, and the event after which those hold the data (None: they already do).
 
-    The gather runs on the compute stream, so it reads the pages before any later step can reuse them. On CUDA the
-    copy to host memory then runs on a side stream into pinned buffers and the writer waits on its event: a plain
-    ``.to("cpu")`` blocks the engine thread for the whole transfer through pageable memory (an 8K-token request of
-    an 8B model is 1 GiB), time every queued request would wait. On the CPU the gather is the copy.
+    Every layer is gathered on the compute stream (one ``index_select`` each), so the pages are read before any
+    later step can reuse them. On CUDA the rest runs on a side stream: each chunk's layers cross to host memory in
+    one pinned buffer of their own, and the writer waits on the event. A plain ``.to("cpu")`` would block the engine
+    thread for the whole transfer through pageable memory (an 8K-token request of an 8B model is 1 GiB), time every
+    queued request waits. One buffer per chunk, not per request or per layer: every buffer is the same size, so torch's
+    pinned cache (which rounds sizes up to powers of two and reuses a block for its own size only) serves them from
+    blocks freed by earlier chunks instead of growing (``cudaHostAlloc``, on the step loop), and the writer frees
+    each one as soon as that chunk is written. H200 trace replays (2026-12-01, bench/results/HISTORY.md): with buffers
+    per request or per layer one replay phase in three spent 0.86-1.03 s of step loop in the copy-out instead of
+    0.05-0.10 s; with per-chunk buffers the cache grew 0-4 times a phase, for at most 0.11 s. On the CPU the gather is
+    the copy.
 
-    ``encode_bytes``: how much KV ``read_zip`` encodes per launch pair (bounds the device slots it holds at once).
+    ``encode_bytes``: how much KV is handled per side-stream pass (bounds the device buffers it holds at once).
     """
 
     def __init__(self, runner: ModelRunner, encode_bytes: int = 256 << 20):
@@ -48,70 +56,80 @@ class ChunkReader:
         self.encode_bytes = encode_bytes
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
 
-    def read(self, page_ids: list[int]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
-        """Per layer [2, len(page_ids) * page_size, kv_heads, head_dim] on the CPU, and the event after which they
-        hold the data (None: they already do)."""
-        r = self.runner
-        idx = torch.tensor(page_ids, dtype=torch.long, device=r.device)
-        layers = range(r.model.args.num_layers)
-        if self.stream is None:
-            return [gather_layer(r, i, idx) for i in layers], None  # new tensors already
-        on_device = [gather_layer(r, i, idx) for i in layers]
-        self.stream.wait_stream(torch.cuda.current_stream(r.device))
-        host = []
-        with torch.cuda.stream(self.stream):
-            for x in on_device:
-                h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                h.copy_(x, non_blocking=True)
-                x.record_stream(self.stream)  # the compute stream may reuse x's memory only after this copy
-                host.append(h)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return host, done
+    def read(self, page_ids: list[int], chunk: int) -> tuple[list[list[torch.Tensor]], "torch.cuda.Event | None"]:
+        """``per_chunk[c][l]``: [2, chunk, kv_heads, head_dim] on the CPU."""
+        k, shape, n = self._geometry(page_ids, chunk)
+        L = self.runner.model.args.num_layers
+        groups = self._gather_groups(page_ids, chunk, k, n)
+        if self.stream is None:  # the gather made new tensors already: views of it, no chunk-major copy
+            return [[groups[i * k + c].view(shape) for i in range(L)] for c in range(k)], None
+        out = []
+
+        def to_host(part: torch.Tensor) -> None:
+            for c in range(part.shape[0]):
+                out.append([x.view(shape) for x in self._host(part[c]).unbind(0)])
+
+        return out, self._passes(groups, k, L * n, to_host)
 
     def read_zip(self, page_ids: list[int], chunk: int) -> tuple[list[list[ZipEntry]], "torch.cuda.Event | None"]:
-        """Like ``read``, each chunk's layer encoded in the ZipFusion format (``RestoreConfig.store_codec``):
-        ``entries[layer][k]`` is chunk k's, and the event after which their host buffers hold the data.
+        """Like ``read``, each entry encoded in the ZipFusion format (``RestoreConfig.store_codec``).
 
-        All layers are gathered into one chunk-major buffer and encoded a few layers per launch pair (on CUDA:
-        the Triton analyse and pack kernels on the side stream, fixed slots, no host sync), then cross to one
-        pinned buffer. Encoding layer by layer cost the step loop ~20 ms of host time per 8K-token request of the
-        8B shape (H200 trace replay, 2026-11-30): ~25 torch calls and two Triton launches per layer."""
-        r = self.runner
-        a = r.model.args
-        p = r.page_size
+        Encoded a few chunks per launch pair (on CUDA the Triton analyse and pack kernels, fixed slots, no host
+        sync). Encoding layer by layer cost the step loop ~20 ms of host time per 8K-token request of the 8B shape
+        (H200 trace replays, 2026-11-30: ~25 torch calls and two Triton launches per layer); encoding many layers
+        per launch, 3.4 ms (``bench/zip_write_path.py``)."""
+        k, shape, n = self._geometry(page_ids, chunk)
+        L = self.runner.model.args.num_layers
+        out = []
+
+        def to_host(part: torch.Tensor) -> None:
+            d, s = encode_entries(part.view(-1, n), shape)
+            for c in range(part.shape[0]):
+                dh, sh = self._host(d[c * L:(c + 1) * L]), self._host(s[c * L:(c + 1) * L])
+                out.append([ZipEntry(x, y, shape) for x, y in zip(dh.unbind(0), sh.unbind(0))])
+
+        return out, self._passes(self._gather_groups(page_ids, chunk, k, n), k, L * n, to_host)
+
+    def _geometry(self, page_ids: list[int], chunk: int) -> tuple[int, tuple[int, ...], int]:
+        """(chunks, entry shape, values per entry) of a read; refuses pages that are not whole chunks."""
+        a, p = self.runner.model.args, self.runner.page_size
         if chunk % p or (len(page_ids) * p) % chunk:
             raise ValueError(f"{len(page_ids)} pages of {p} tokens are not whole chunks of {chunk}")
-        k = len(page_ids) * p // chunk
         shape = (2, chunk, a.num_kv_heads, a.head_dim)
-        n = math.prod(shape)
-        groups = self._gather_groups(page_ids, chunk, k, n)  # [layers * k, n], row l * k + c: layer l, chunk c
-        per = max(1, self.encode_bytes // max(1, k * n * groups.element_size()))  # layers per encode
-        rows = [(lo * k, min(lo + per, a.num_layers) * k) for lo in range(0, a.num_layers, per)]
+        return len(page_ids) * p // chunk, shape, math.prod(shape)
+
+    def _host(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in host memory: a pinned copy on CUDA (on the side stream, asynchronous); on the CPU ``x`` is a
+        new tensor already."""
         if self.stream is None:
-            coded = [encode_entries(groups[lo:hi], shape) for lo, hi in rows]
-            desc = [d for dl, _ in coded for d in dl.unbind(0)]
-            slots = [s for _, sl in coded for s in sl.unbind(0)]
-            done = None
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(r.device))
-            nb = n // BLOCK_SIZE
-            desc_h = torch.empty(groups.shape[0], nb, dtype=torch.uint8, pin_memory=True)
-            slots_h = torch.empty(groups.shape[0], 2 * n, dtype=torch.uint8, pin_memory=True)
-            with torch.cuda.stream(self.stream):
-                groups.record_stream(self.stream)  # the compute stream may reuse it only after this stream's use
-                for lo, hi in rows:
-                    d, s = encode_entries(groups[lo:hi], shape)
-                    desc_h[lo:hi].copy_(d, non_blocking=True)
-                    slots_h[lo:hi].copy_(s, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-            desc, slots = desc_h.unbind(0), slots_h.unbind(0)
-        return [[ZipEntry(desc[i * k + c], slots[i * k + c], shape) for c in range(k)]
-                for i in range(a.num_layers)], done
+            return x
+        h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        h.copy_(x, non_blocking=True)
+        return h
+
+    def _passes(self, groups: torch.Tensor, k: int, chunk_values: int, to_host) -> "torch.cuda.Event | None":
+        """``to_host(part)`` for chunk-major parts [m, layers, n] of the chunks in order (one transposing copy of
+        layer-major ``groups`` each, ``encode_bytes`` at most); on CUDA on the side stream after the gather, and
+        the event after its last copy."""
+        L = self.runner.model.args.num_layers
+        by_layer = groups.view(L, k, -1)
+        per = max(1, self.encode_bytes // max(1, chunk_values * groups.element_size()))  # chunks per pass
+        if self.stream is None:
+            for c0 in range(0, k, per):
+                to_host(by_layer[:, c0:c0 + per].transpose(0, 1).contiguous())
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(self.stream):
+            groups.record_stream(self.stream)  # the compute stream may reuse it only after this stream's use
+            for c0 in range(0, k, per):
+                to_host(by_layer[:, c0:c0 + per].transpose(0, 1).contiguous())
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
 
     def _gather_groups(self, page_ids: list[int], chunk: int, k: int, n: int) -> torch.Tensor:
-        """Every layer's chunks as entries [layers * k, n] on the KV's device, gathered on the current stream.
+        """Every layer's chunks as entries [layers * k, n] on the KV's device (row l * k + c: layer l, chunk c),
+        gathered on the current stream.
 
         Dense caches: one ``index_select`` per layer straight into the buffer, over the cache viewed as
         [pages * 2, page_size * heads * dim] half-pages (entry c = K then V of its chunk's pages in order)."""

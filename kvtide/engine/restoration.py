@@ -222,12 +222,8 @@ class Restorer:
         if self._reader is None:
             self._reader = ChunkReader(self.engine.runner)
         C = self.chunk
-        if self.cfg.store_codec is not None:
-            entries, ready = self._reader.read_zip(pids, C)
-            per_chunk = [[layer[k] for layer in entries] for k in range(len(todo))]
-        else:
-            per_layer, ready = self._reader.read(pids)
-            per_chunk = [[x[:, k * C:(k + 1) * C] for x in per_layer] for k in range(len(todo))]
+        read = self._reader.read_zip if self.cfg.store_codec is not None else self._reader.read
+        per_chunk, ready = read(pids, C)
         for k, (key, toks, _) in enumerate(todo):
             self.writer.submit(key, toks, per_chunk[k], ready)
             self._remember(key)

@@ -47,17 +47,17 @@ def _want(r: SimpleNamespace, page_ids: list[int], chunk: int) -> list[torch.Ten
 
 
 @pytest.mark.parametrize("pool", [False, True], ids=["dense", "pool"])
-@pytest.mark.parametrize("encode_bytes", [1, 256 << 20], ids=["layer-per-encode", "all-at-once"])
+@pytest.mark.parametrize("encode_bytes", [1, 256 << 20], ids=["chunk-per-pass", "all-at-once"])
 def test_read_zip_entries_are_the_pages_kv(pool: bool, encode_bytes: int) -> None:
     r = _runner(pool=pool)
     page_ids = [7, 2, 9, 0, 11, 4]  # any order: chunks follow the request's pages, not the pool's
     chunk = 2 * PAGE
-    entries, ready = ChunkReader(r, encode_bytes=encode_bytes).read_zip(page_ids, chunk)
+    per_chunk, ready = ChunkReader(r, encode_bytes=encode_bytes).read_zip(page_ids, chunk)
     assert ready is None
     want = _want(r, page_ids, chunk)
-    assert len(entries) == 3 and all(len(layer) == 3 for layer in entries)
-    for i, layer in enumerate(entries):
-        for c, e in enumerate(layer):
+    assert len(per_chunk) == 3 and all(len(layers) == 3 for layers in per_chunk)
+    for c, layers in enumerate(per_chunk):
+        for i, e in enumerate(layers):
             assert e.shape == (2, chunk, 2, 64)
             got = e.decode().reshape(-1).view(torch.int16)
             assert torch.equal(got, want[i][c].view(torch.int16)), (i, c)
@@ -67,22 +67,26 @@ def test_read_zip_entries_are_the_pages_kv(pool: bool, encode_bytes: int) -> Non
 
 
 @pytest.mark.parametrize("pool", [False, True], ids=["dense", "pool"])
-def test_read_gives_each_layers_pages_in_request_order(pool: bool) -> None:
+@pytest.mark.parametrize("encode_bytes", [1, 256 << 20], ids=["chunk-per-pass", "all-at-once"])
+def test_read_gives_each_chunks_layers_in_request_order(pool: bool, encode_bytes: int) -> None:
     r = _runner(pool=pool)
-    page_ids = [3, 1, 10]
-    layers, ready = ChunkReader(r).read(page_ids)
-    assert ready is None
-    for i, x in enumerate(layers):
-        want = _want(r, page_ids, 3 * PAGE)[i][0].view(2, 3 * PAGE, 2, 64)
-        assert torch.equal(x.view(torch.int16), want.view(torch.int16))
-        got = chunk_groups(gather_layer(r, i, torch.tensor(page_ids)), PAGE)[1]
-        assert torch.equal(got.view(torch.int16), _want(r, page_ids, PAGE)[i][1].view(torch.int16))
+    page_ids = [3, 1, 10, 5, 0, 8]
+    per_chunk, ready = ChunkReader(r, encode_bytes=encode_bytes).read(page_ids, 3 * PAGE)
+    assert ready is None and len(per_chunk) == 2
+    want = _want(r, page_ids, 3 * PAGE)
+    for c, layers in enumerate(per_chunk):
+        assert len(layers) == 3
+        for i, x in enumerate(layers):
+            assert x.shape == (2, 3 * PAGE, 2, 64)
+            assert torch.equal(x.reshape(-1).view(torch.int16), want[i][c].view(torch.int16)), (c, i)
+    got = chunk_groups(gather_layer(r, 1, torch.tensor(page_ids)), PAGE)[4]
+    assert torch.equal(got.view(torch.int16), _want(r, page_ids, PAGE)[1][4].view(torch.int16))
 
 
 def test_read_zip_refuses_pages_that_are_not_whole_chunks() -> None:
     r = _runner()
     with pytest.raises(ValueError, match="not whole chunks"):
-        ChunkReader(r).read_zip([0, 1, 2], 2 * PAGE)
+        ChunkReader(r).read([0, 1, 2], 2 * PAGE)
     with pytest.raises(ValueError, match="not whole chunks"):
         ChunkReader(r).read_zip([0, 1], PAGE + 2)
     with pytest.raises(ValueError, match="encode_bytes"):
