@@ -76,8 +76,9 @@ class ChunkReader:
 
         Encoded a few chunks per launch pair (on CUDA the Triton analyse and pack kernels, fixed slots, no host
         sync). Encoding layer by layer cost the step loop ~20 ms of host time per 8K-token request of the 8B shape
-        (H200 trace replays, 2026-11-30: ~25 torch calls and two Triton launches per layer); encoding many layers
-        per launch, 3.4 ms (``bench/zip_write_path.py``)."""
+        (H200 trace replays, 2026-11-30: ~25 torch calls and two Triton launches per layer); encoding many chunks
+        per launch, 3.4 ms with one pinned buffer a request and 4.2 ms with one a chunk (``bench/zip_write_path.py``,
+        bench/results/zip_write_path*_h200.json)."""
         k, shape, n = self._geometry(page_ids, chunk)
         L = self.runner.model.args.num_layers
         out = []
@@ -93,6 +94,8 @@ class ChunkReader:
     def _geometry(self, page_ids: list[int], chunk: int) -> tuple[int, tuple[int, ...], int]:
         """(chunks, entry shape, values per entry) of a read; refuses pages that are not whole chunks."""
         a, p = self.runner.model.args, self.runner.page_size
+        if not page_ids:
+            raise ValueError("no pages to read")
         if chunk % p or (len(page_ids) * p) % chunk:
             raise ValueError(f"{len(page_ids)} pages of {p} tokens are not whole chunks of {chunk}")
         shape = (2, chunk, a.num_kv_heads, a.head_dim)

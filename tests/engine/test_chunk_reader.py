@@ -87,6 +87,8 @@ def test_read_zip_refuses_pages_that_are_not_whole_chunks() -> None:
     r = _runner()
     with pytest.raises(ValueError, match="not whole chunks"):
         ChunkReader(r).read([0, 1, 2], 2 * PAGE)
+    with pytest.raises(ValueError, match="no pages"):
+        ChunkReader(r).read_zip([], 2 * PAGE)
     with pytest.raises(ValueError, match="not whole chunks"):
         ChunkReader(r).read_zip([0, 1], PAGE + 2)
     with pytest.raises(ValueError, match="encode_bytes"):
