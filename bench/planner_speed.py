@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import rev_rounds  # bench/, next to this script
@@ -73,15 +70,11 @@ def main() -> int:
         res[k] = row
         print(k, {n: round(v, 2) for n, v in row.items()})
     out = {"per_plan": res, "meta": {
-        "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "numpy": __import__("numpy").__version__,
-        "torch": __import__("torch").__version__, "this": rev_rounds.head() + " (working tree)", "compare": a.compare,
+        **rev_rounds.meta(a.compare),
         "shapes": "32 blocks, equal requests of 8192 cached + 16 new tokens, chunk 512, 131072 stored B/token/block",
         "profile": f"knots and overheads of {PROFILE.name} (meta.profile_at_end)",
         "units": "microseconds per plan(), median over rounds of the median of --reps calls"}}
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1))
-        print(f"wrote {a.out}")
+    rev_rounds.write(out, a.out)
     return 0
 
 

@@ -20,13 +20,9 @@ child process, rounds alternating.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import rev_rounds  # bench/, next to this script
@@ -94,29 +90,20 @@ def main() -> int:
     a, rounds = rev_rounds.parse_and_run(ap, measure, __file__)
     if rounds is None:  # a --child round
         return 0
-    res = {}
-    for side, rs in rounds.items():
-        if rs:
-            res[side] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
-            print(side, {k: round(v, 1) for k, v in res[side].items()})
+    res = rev_rounds.side_medians(rounds)
+    for side, r in res.items():
+        print(side, {k: round(v, 1) for k, v in r.items()})
     if "compare" in res:
         res["held_ratio_compare_over_this"] = res["compare"]["held_us"] / res["this"]["held_us"]
         print(f"GIL-held part per entry: {res['compare']['held_us']:.1f} -> {res['this']['held_us']:.1f} us")
         if "zip_held_us" in res["compare"] and "zip_held_us" in res["this"]:
             print(f"zip entries: {res['compare']['zip_held_us']:.1f} -> {res['this']['zip_held_us']:.1f} us")
-    import numpy
-    import torch
-
     out = {"per_entry": res, "meta": {
-        "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "numpy": numpy.__version__, "torch": torch.__version__,
-        "xxhash": __import__("xxhash").VERSION, "this": rev_rounds.head() + " (working tree)", "compare": a.compare,
+        **rev_rounds.meta(a.compare), "xxhash": __import__("xxhash").VERSION,
         "entry": f"{list(SHAPE)} bfloat16 (the 8B shape's chunk-layer record, 2 MiB), MemoryStore, copy=False; zip_*: "
                  "the same KV (randn) as a ZipFusion-format record, opened with decode=False",
         "units": "microseconds per entry, median over rounds of the median over --reps passes of 8 entries"}}
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1))
-        print(f"wrote {a.out}")
+    rev_rounds.write(out, a.out)
     return 0
 
 

@@ -1,19 +1,23 @@
 """This tree's ``kvtide`` against an earlier revision's, timed in alternating rounds (shared by the benches that
-take ``--compare REV``: planner_speed, record_verify).
+take ``--compare REV``: planner_speed, record_verify, zip_write_path).
 
 REV's ``kvtide`` is checked out (``git archive``) into a temporary directory (REV may also name a directory that
-holds a ``kvtide/`` already, for machines without the git history, such as the lent GPU host); each round runs ``measure(reps)`` here,
-then the calling script again as ``--child --reps N`` with that directory first on ``PYTHONPATH``, which must print
-the same dict as JSON on its last line. Alternating keeps both sides on the same machine state.
+holds a ``kvtide/`` already, for machines without the git history, such as the lent GPU host); each round runs
+``measure(reps)`` here, then the calling script again as ``--child --reps N`` with that directory first on
+``PYTHONPATH``, which must print the same dict as JSON on its last line. Alternating keeps both sides on the same
+machine state.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
+import statistics
 import subprocess
 import sys
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -64,3 +68,25 @@ def parse_and_run(ap: argparse.ArgumentParser, measure: Callable[[int], dict], s
 def head() -> str:
     """The short commit of this tree (the "this" side is its working tree)."""
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def side_medians(rounds: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per side that ran, the median over its rounds of each key of ``measure``'s dict."""
+    return {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in rounds.items() if rs}
+
+
+def meta(compare: str | None) -> dict:
+    """What every such bench's JSON names: date, machine, versions, this tree and the compared revision."""
+    import numpy
+    import torch
+
+    return {"when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "numpy": numpy.__version__, "torch": torch.__version__,
+            "this": head() + " (working tree)", "compare": compare}
+
+
+def write(out: dict, path: str | None) -> None:
+    """The bench's JSON at ``path`` (``--out``), when given."""
+    if path:
+        Path(path).write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")

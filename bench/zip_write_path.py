@@ -8,24 +8,20 @@ queued request waits, and it lowered the recompute-only saturation of the zip ru
 What: a dense paged cache of the 8B shape (32 layers, 8 KV heads, head dim 128, page 16, bf16; random normal
 values) on CUDA, and one 8192-token request's pages (scattered) read as 512-token chunks: ``host_ms`` is the time
 until the call returns (what the step loop pays), ``done_ms`` until its event completes (the side stream's copy
-and encode). Rounds alternate this tree's ``read_zip`` and ``read`` with ``--compare REV``'s (child process); ``pinned_grows`` counts how often torch's
-pinned host cache grew over the calls (each a ``cudaHostAlloc`` on the step loop). On a
-CPU the shape shrinks to 4 layers and 1024 tokens (a smoke run; the CPU path has no side stream).
+and encode). Rounds alternate this tree's ``read_zip`` and ``read`` with ``--compare REV``'s (child process);
+``pinned_grows`` counts how often torch's pinned host cache grew over the calls (each a ``cudaHostAlloc`` on the
+step loop). On a CPU the shape shrinks to 4 layers and 1024 tokens (a smoke run; the CPU path has no side stream).
 
     python bench/zip_write_path.py --compare 3a10a12 --out bench/results/zip_write_path_h200.json
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import inspect
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import rev_rounds  # bench/, next to this script
 
@@ -100,12 +96,10 @@ def main() -> int:
     a, rounds = rev_rounds.parse_and_run(ap, measure, __file__)
     if rounds is None:  # a --child round
         return 0
-    res = {}
-    for side, rs in rounds.items():
-        if rs:
-            res[side] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
-            res[side]["rounds"] = rs
-            print(side, {k: round(v, 2) for k, v in res[side].items() if k != "rounds"})
+    res = rev_rounds.side_medians(rounds)
+    for side, r in res.items():
+        print(side, {k: round(v, 2) for k, v in r.items()})
+        r["rounds"] = rounds[side]
     if "compare" in res:
         res["zip_host_ratio_compare_over_this"] = res["compare"]["zip_host_ms"] / res["this"]["zip_host_ms"]
         print(f"read_zip host time per request: {res['compare']['zip_host_ms']:.2f} -> "
@@ -115,25 +109,21 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     layers, tokens = _shape(cuda)
     out = {"per_request": res, "meta": {
-        "when": datetime.now(timezone.utc).isoformat(), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "python": platform.python_version(),
-        "torch": torch.__version__, "triton": _version("triton"),
-        "this": rev_rounds.head() + " (working tree)", "compare": a.compare,
+        **rev_rounds.meta(a.compare), "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "triton": _version("triton"),
         "request": f"{tokens} tokens in {tokens // CHUNK} chunks of {CHUNK}, {layers} layers x [2, {CHUNK}, {HEADS}, "
                    f"{DIM}] bfloat16 (the 8B shape), pages of {PAGE} scattered in a pool of {POOL_PAGES}; random "
                    "normal values",
         "units": "milliseconds per request: median over rounds of the median over --reps requests; host_ms until "
                  "the call returns (the step loop's cost), done_ms until its event completes"}}
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1))
-        print(f"wrote {a.out}")
+    rev_rounds.write(out, a.out)
     return 0
 
 
-def _version(mod: str) -> str | None:
+def _version(package: str) -> str | None:
     try:
-        return __import__(mod).__version__
-    except ImportError:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
