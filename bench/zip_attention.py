@@ -147,7 +147,7 @@ def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, ar
     """Every CUDA_CONFIGS launch shape checked (f64 reference, all outputs written) and timed; the best kept."""
     tuned = []
     for (warps, min_blocks, waves), cta in [(s, c) for s in args.cuda_launch for c in (False, True)]:
-        opts = dict(warps=warps, min_blocks=min_blocks, waves=waves, cta_merge=cta)
+        opts = dict(warps=warps or None, min_blocks=min_blocks or None, waves=waves, cta_merge=cta, stage=args.stage)
         try:
             p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
             if cta and not p.cta_merge:  # the plan kept the global merge: the same kernel as cta_merge=False
@@ -163,8 +163,9 @@ def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, ar
         vs_fi = float((out.float() - o_fi.float()).norm() / o_fi.float().norm())
         us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.tune_rep) if ok and err < 1e-2 \
             else float("inf")
-        k = zc.kernels(dev.index or 0, D, args.version, p.warps, p.min_blocks, 0, p.cta_merge)["zip_decode"]
-        tuned.append(dict(options=opts, splits=p.num_splits, launch=[p.warps, p.min_blocks], us=us, all_written=ok,
+        k = zc.kernels(dev.index or 0, D, args.version, p.warps, p.min_blocks, 0, p.cta_merge, p.stage)["zip_decode"]
+        tuned.append(dict(options=opts, splits=p.num_splits, launch=[p.warps, p.min_blocks], stage=p.stage, us=us,
+                          all_written=ok,
                           rel_err_f64=err, rel_diff_vs_flashinfer=vs_fi, registers=k.num_regs,
                           local_bytes=k.local_bytes))
     good = [t for t in tuned if t.get("us", float("inf")) < float("inf")]
@@ -190,8 +191,10 @@ def config_options(cfg) -> dict:
                 trans=bool(tr), late_v=bool(lv), maxnreg=mr, pipe=bool(pipe))
 
 # CUDA kernel (kvtide/kernels/zip_attention_cuda.py): (warps per CTA, CTAs per SM for the register cut, waves;
-# None = the plan's wave model for the split count)
-CUDA_CONFIGS = [(4, 3, None), (2, 6, None), (1, 12, None), (4, 2, None), (4, 3, 2.0), (4, 3, 4.0), (2, 6, 4.0)]
+# None = the plan's wave model for the split count); (0, 0, None) = the plan's own choice of launch shape, as the
+# engine runs it
+CUDA_CONFIGS = [(0, 0, None), (4, 3, None), (4, 4, None), (2, 6, None), (1, 12, None), (4, 2, None), (4, 3, 2.0),
+                (4, 3, 4.0), (2, 6, 4.0)]
 
 
 def parse_launch(text: str) -> tuple[int, int, float | None]:
@@ -290,6 +293,8 @@ def main() -> None:
                     help="device time per kernel of FlashInfer and the best kernels (torch.profiler, clean flush)")
     ap.add_argument("--clean-flush", action="store_true",
                     help="also time FlashInfer and the best kernels with L2 emptied by a read-only sweep")
+    ap.add_argument("--stage", type=int, default=None,
+                    help="CUDA kernel: where the next page's groups wait (zc.STAGES; default: the plan's)")
     ap.add_argument("--cuda-launch", type=parse_launch, nargs="+", default=CUDA_CONFIGS,
                     help="CUDA kernel launch shapes tried: warps,min_blocks[,waves] (default: CUDA_CONFIGS)")
     args = ap.parse_args()
@@ -341,7 +346,8 @@ def main() -> None:
             best = {}
 
             def cplan(**opts) -> zc.CudaDecodePlan:  # the CUDA kernel's plan of this batch, launch options as given
-                return zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+                return zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev,
+                               **{"stage": args.stage, **opts})
 
             for kind, (cp, cs, cd) in cuda_in.items():  # the CUDA kernel over the mma-ordered pool, and all-raw
                 row[kind] = tune_cuda(cp, cs, cd, q, indptr, indices, last, ref, o_fi, nref, args, dev)
@@ -504,7 +510,9 @@ def main() -> None:
         device=torch.cuda.get_device_name(0), sms=torch.cuda.get_device_properties(0).multi_processor_count,
         torch=torch.__version__, triton=triton.__version__, flashinfer=getattr(flashinfer, "__version__", "?"),
         python=platform.python_version(), shape=dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
-                                                      block_size=BLOCK, format_version=args.version),
+                                                      block_size=BLOCK, format_version=args.version,
+                                                      cuda_stage=args.stage if args.stage is not None else
+                                                      zc.default_stage(D)),
         kv_data=(f"real: tiled from {args.real_kv} (16-row groups of paired head_dim-64 streams of the bundled "
                  f"models, bf16 compute; see module doc); random q" if args.real_kv else
                  "synthetic, exponent statistics of the bundled real models (DESIGN.md): Gaussian, log-normal "

@@ -103,6 +103,7 @@ def driver() -> ctypes.CDLL:
     lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
 
@@ -143,10 +144,17 @@ class Kernel:
     num_regs: int
     local_bytes: int
     _module: ctypes.c_void_p = field(repr=False)
+    _smem_allowed: int = field(default=0, repr=False)
 
     def launch(self, grid: tuple[int, int, int], block: int, args: list,
-               stream: torch.cuda.Stream | None = None) -> None:
+               stream: torch.cuda.Stream | None = None, smem: int = 0) -> None:
+        """``smem``: bytes of dynamic shared memory, allowed to the kernel once per larger size (the driver refuses
+        more than 48 KB of static plus dynamic shared memory without it)."""
         _ensure_context(self.device)
+        if smem > self._smem_allowed:
+            _check(driver().cuFuncSetAttribute(self.func, 8, smem),  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                   f"cuFuncSetAttribute({self.name}, {smem} bytes of shared memory)")
+            self._smem_allowed = smem
         cargs = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -161,7 +169,7 @@ class Kernel:
                 raise TypeError(f"kernel {self.name}: unsupported argument type {type(a).__name__}")
         params = (ctypes.c_void_p * len(cargs))(*[ctypes.cast(ctypes.byref(c), ctypes.c_void_p) for c in cargs])
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
-        _check(driver().cuLaunchKernel(self.func, grid[0], grid[1], grid[2], block, 1, 1, 0,
+        _check(driver().cuLaunchKernel(self.func, grid[0], grid[1], grid[2], block, 1, 1, smem,
                                        ctypes.c_void_p(s.cuda_stream), params, None), f"cuLaunchKernel({self.name})")
 
 

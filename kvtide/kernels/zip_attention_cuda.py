@@ -11,8 +11,12 @@ Kernel (``cuda/zip_decode.cu``): one warp per (sequence, KV head, split), one pa
 S^T = K Q^T on ``mma.m16n8k16`` (tokens as M, the GQA group padded to N = 8), online softmax in base 2 with a
 lazy rescale (the running max moves only when it grows by more than 2^8), P^T through ``movmatrix`` into the
 B operand, O^T += V^T P^T. The next page's loads are issued as soon as this page's buffer is consumed; page
-metadata comes 32 pages at a time (one page per lane, broadcast by shuffles). A split sequence gets one CTA whose
-warps are its splits (``plan(cta_merge=True)``, the default where it adds no wave): they merge their normalised
+metadata comes 32 pages at a time (one page per lane, broadcast by shuffles). Where the next page waits is the
+plan's ``stage`` (:data:`STAGES`): at head_dim 128 the default stages V in the warp's slot of shared memory by
+cp.async (and keeps Q's fragments there), which takes the kernel from 158 to 128-146 registers, lets 16 warps share
+an SM and measured 0.5-1.5% faster on the H200 at the larger shapes (``bench/zip_kernel_ab.py``); staging K too
+(stage 2) was slower at 12 warps per SM and no faster at 16. A split sequence gets one CTA whose warps are its
+splits (``plan(cta_merge=True)``, the default where it adds no wave): they merge their normalised
 partial outputs and base-2 log-sum-exps in shared memory, 4-5 us less per call on the H200 than writing them out
 for the ``zip_merge`` launch, which remains for more splits than a CTA holds. Raw blocks (the page being written,
 blocks the format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is
@@ -43,17 +47,36 @@ LOAD_HINTS = {0: "none", 1: "L1::no_allocate", 2: "L1::no_allocate + L2::256B pr
               3: "L1::no_allocate + L2 evict_first"}
 SPLIT_START_PAGES = 4  # a split's fixed cost (Q and metadata loads, first page's latency, merge) in pages
 
-# launch defaults per head_dim: warps per CTA, CTAs per SM the register budget is cut for, waves of warps
-_DEFAULTS = {128: dict(warps=4, min_blocks=3, waves=None), 64: dict(warps=4, min_blocks=4, waves=None)}
+# launch defaults per head_dim: the stage, and per stage the launch shapes (warps per CTA, CTAs per SM the register
+# budget is cut for) the wave model chooses from. head_dim 128 at stage 1 (V staged, Q in shared memory) fits 128
+# registers, so 16 warps per SM next to stage 0's 12 (158 registers). Measured on the H200
+# (bench/results/zip_kernel_ab_stage_confirm_h200.json, 9 interleaved rounds): stage 1 0.5-1.5% faster than stage 0
+# at 8192 x 64 / 96 and 2048 x 64 / 96; 16 warps per SM faster where they buy more splits in one wave (8192 x 32 /
+# 64 / 96, 2048 x 32 / 64, each rated 22-25% faster by the wave model), 2% slower at 2048 x 96 (rated 12% faster:
+# short splits, whose start-up the model underrates).
+_DEFAULTS = {128: dict(launches={0: [(4, 3)], 1: [(4, 3), (4, 4)], 2: [(4, 3), (4, 4)]}, waves=None, stage=1),
+             64: dict(launches={0: [(4, 4)], 1: [(4, 4)], 2: [(4, 4)]}, waves=None, stage=0)}
+SHAPE_MARGIN = 0.85  # a later launch shape is taken only when the wave model rates it at most this x the first
+STAGES = {0: "K and V in registers", 1: "V staged in shared memory (cp.async)", 2: "K and V staged in shared memory"}
+
+
+def default_stage(head_dim: int) -> int:
+    """Where the next page's groups wait by default at this head_dim (:data:`STAGES`)."""
+    return _DEFAULTS[head_dim]["stage"]
+
+
+def split_cost(units: int, max_pages: int, resident_warps: int, splits: int) -> int:
+    """The wave model's time of ``splits`` splits per (sequence, KV head), in pages: ``units * splits`` warps run
+    ``resident_warps`` at a time, each walking ``max_pages / splits`` pages after a start-up worth about
+    ``SPLIT_START_PAGES``."""
+    return math.ceil(units * splits / resident_warps) * (math.ceil(max_pages / splits) + SPLIT_START_PAGES)
 
 
 def pick_splits(units: int, max_pages: int, resident_warps: int) -> int:
-    """Splits per (sequence, KV head) under a wave model: ``units * s`` warps run ``resident_warps`` at a time,
-    each walking ``max_pages / s`` pages after a start-up worth about ``SPLIT_START_PAGES``, so time ~
-    ceil(units * s / resident) * (ceil(max_pages / s) + SPLIT_START_PAGES); the fewest splits among the best."""
+    """Splits per (sequence, KV head) under the wave model (:func:`split_cost`); the fewest splits among the best."""
     best, best_cost = 1, math.inf
     for s in range(1, max(1, min(max_pages // 4, 128)) + 1):
-        cost = math.ceil(units * s / resident_warps) * (math.ceil(max_pages / s) + SPLIT_START_PAGES)
+        cost = split_cost(units, max_pages, resident_warps, s)
         if cost < best_cost * 0.98:
             best, best_cost = s, cost
     return best
@@ -99,11 +122,28 @@ def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_
 
 @functools.cache
 def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
-            cta_merge: bool = False) -> dict[str, cuda_jit.Kernel]:
+            cta_merge: bool = False, stage: int = 0) -> dict[str, cuda_jit.Kernel]:
+    return build_source(SOURCE.read_text(), device, defines(head_dim, version, warps, min_blocks, load_hint,
+                                                             cta_merge, stage))
+
+
+def defines(head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
+            cta_merge: bool = False, stage: int = 0) -> dict[str, int]:
+    """The compile-time constants of one launch shape (cuda/zip_decode.cu's -D list)."""
+    return dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks, LOAD_HINT=load_hint,
+                CTA_MERGE=int(cta_merge), STAGE=stage)
+
+
+def smem_bytes(head_dim: int, warps: int, stage: int) -> int:
+    """Dynamic shared memory of a CTA (cuda/zip_decode.cu WARP_SMEM): per warp a slot of one group (16 x head_dim
+    bf16) for V, one more for K at stage 2, and Q's B fragments (16 x head_dim bytes); none at stage 0."""
+    return 0 if stage == 0 else warps * ((2 if stage >= 2 else 1) * 32 * head_dim + 16 * head_dim)
+
+
+def build_source(source: str, device: int, defs: dict[str, int]) -> dict[str, cuda_jit.Kernel]:
+    """Compile ``source`` (zip_decode.cu or a variant of it) with ``defs`` for ``device`` and load it."""
     major, minor = torch.cuda.get_device_capability(device)
-    defines = dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks, LOAD_HINT=load_hint,
-                   CTA_MERGE=int(cta_merge))
-    cubin, _log = cuda_jit.compile_cubin(SOURCE.read_text(), "zip_decode", major * 10 + minor, defines)
+    cubin, _log = cuda_jit.compile_cubin(source, "zip_decode", major * 10 + minor, defs)
     return cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
 
 
@@ -111,8 +151,11 @@ def default_launches(head_dim: int) -> list[tuple[int, int, bool]]:
     """(warps, min_blocks, cta_merge) of every kernel :func:`plan`'s default launch shape can pick: the shape itself,
     and one CTA-merge variant per split count it can merge in a CTA."""
     d = _DEFAULTS[head_dim]
-    return [(d["warps"], d["min_blocks"], False)] + [
-        (s, cta_blocks(d["warps"], d["min_blocks"], s), True) for s in range(2, max_cta_splits(head_dim) + 1)]
+    out = []
+    for w, mb in d["launches"][d["stage"]]:
+        out += [(w, mb, False)] + [(s, cta_blocks(w, mb, s), True)
+                                   for s in range(2, max_cta_splits(head_dim, d["stage"]) + 1)]
+    return sorted(set(out))
 
 
 def cta_blocks(warps: int, min_blocks: int, splits: int) -> int:
@@ -131,14 +174,18 @@ def build(device: torch.device | str | int, head_dim: int, version: int) -> None
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     launches = default_launches(head_dim)
     with ThreadPoolExecutor(max_workers=min(8, len(launches))) as ex:
-        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm) for w, mb, cm in launches]:
+        stage = _DEFAULTS[head_dim]["stage"]
+        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage) for w, mb, cm in launches]:
             f.result()
 
 
-def max_cta_splits(head_dim: int) -> int:
-    """Most splits one CTA merges: its warps' partials ([splits, 8 heads, head_dim + 1] fp32: outputs and log-sum-exps)
-    fit 48 KB of static shared memory, at most 16 warps."""
-    return min(16, (48 << 10) // (8 * (head_dim + 1) * 4))
+def max_cta_splits(head_dim: int, stage: int = 0) -> int:
+    """Most splits one CTA merges, at most 16 warps: at stage 0 its warps' partials ([splits, 8 heads, head_dim + 1]
+    fp32: outputs and log-sum-exps) fit 48 KB of static shared memory; staged, each warp's partial output reuses
+    its V slot and the CTA's dynamic shared memory (:func:`smem_bytes`) must fit 227 KB."""
+    if stage == 0:
+        return min(16, (48 << 10) // (8 * (head_dim + 1) * 4))
+    return min(16, (227 << 10) // smem_bytes(head_dim, 1, stage))
 
 
 @dataclass
@@ -159,6 +206,7 @@ class CudaDecodePlan:
     min_blocks: int
     sm_scale: float
     load_hint: int = 0  # cache hints on the KV loads (see cuda/zip_decode.cu LOAD_HINT)
+    stage: int = 0  # where the next page's groups wait: 0 registers, 1 V in shared memory, 2 K and V (STAGE)
     cta_merge: bool = False  # one CTA per (sequence, KV head), its warps the splits, merged in shared memory
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
@@ -172,7 +220,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
          num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
          sm_scale: float | None = None, num_splits: int | None = None, warps: int | None = None,
          min_blocks: int | None = None, waves: float | None = None, load_hint: int = 0,
-         cta_merge: bool = True, device: torch.device | str | None = None) -> CudaDecodePlan:
+         cta_merge: bool = True, stage: int | None = None, device: torch.device | str | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
@@ -180,7 +228,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     fill that many waves, at least 8 pages per split. ``cta_merge``: where a sequence is split into 2 to
     :func:`max_cta_splits` parts and CTAs of that many warps need no more waves than the requested shape, launch
     those instead and merge on chip (the plan's ``warps``/``min_blocks`` are then the CTA's). ``load_hint``: cache
-    hints on the KV loads (:data:`LOAD_HINTS`; measured no faster on the H200, so 0)."""
+    hints on the KV loads (:data:`LOAD_HINTS`; measured no faster on the H200, so 0). ``stage``: where the next
+    page's groups wait (:data:`STAGES`; None: the head_dim's default)."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
                          f"(need 1..{MAX_GROUP})")
@@ -192,8 +241,13 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     if version not in (1, 2):
         raise ValueError(f"unknown ZipFusion format version {version}")
     dflt = _DEFAULTS[head_dim]
-    warps = dflt["warps"] if warps is None else warps
-    min_blocks = dflt["min_blocks"] if min_blocks is None else min_blocks
+    stage = dflt["stage"] if stage is None else stage
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage}")
+    launches = dflt["launches"][stage]
+    if warps is not None or min_blocks is not None:
+        launches = [(launches[0][0] if warps is None else warps, launches[0][1] if min_blocks is None else min_blocks)]
+    warps, min_blocks = launches[0]
     waves = dflt["waves"] if waves is None else waves
     if not 1 <= warps <= 32 or min_blocks < 1 or (waves is not None and waves <= 0):
         raise ValueError(f"bad launch shape: warps {warps}, min_blocks {min_blocks}, waves {waves}")
@@ -204,8 +258,15 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     batch, max_pages = seqs.batch, seqs.max_pages
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
     if num_splits is None:
-        if waves is None:
-            num_splits = pick_splits(batch * num_kv_heads, max_pages, sms * warps * min_blocks)
+        if waves is None:  # the first launch shape, or a later one the wave model rates SHAPE_MARGIN faster
+            units = batch * num_kv_heads
+            num_splits = pick_splits(units, max_pages, sms * warps * min_blocks)
+            best = split_cost(units, max_pages, sms * warps * min_blocks, num_splits)
+            for w, mb in launches[1:]:
+                s_ = pick_splits(units, max_pages, sms * w * mb)
+                if split_cost(units, max_pages, sms * w * mb, s_) <= SHAPE_MARGIN * best:
+                    num_splits, warps, min_blocks = s_, w, mb
+                    best = split_cost(units, max_pages, sms * w * mb, s_)
         else:
             want = math.ceil(sms * warps * min_blocks * waves / max(1, batch * num_kv_heads))
             num_splits = max(1, min(want, math.ceil(max_pages / 8)))
@@ -213,7 +274,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     pages_per_split = math.ceil(max_pages / num_splits)
     num_splits = math.ceil(max_pages / pages_per_split)
     merge_in_cta = False
-    if cta_merge and 2 <= num_splits <= max_cta_splits(head_dim):
+    if cta_merge and 2 <= num_splits <= max_cta_splits(head_dim, stage):
         # CTAs of num_splits warps, as many per SM as keep the requested warps per SM: used when that needs no
         # more waves than the requested shape (a CTA's splits then run side by side and merge on chip)
         per_sm = cta_blocks(warps, min_blocks, num_splits)
@@ -225,7 +286,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
-        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, load_hint=load_hint, cta_merge=merge_in_cta)
+        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, load_hint=load_hint, cta_merge=merge_in_cta,
+        stage=stage)
     if num_splits > 1 and not merge_in_cta:
         p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
         p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
@@ -258,17 +320,24 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
         check_tables(p, pool, group_start, group_desc)
     out = torch.empty_like(q) if out is None else out
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    k = kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.load_hint, p.cta_merge)
+    launch(p, kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.load_hint, p.cta_merge, p.stage), q,
+           pool, group_start, group_desc, out)
+    return out
+
+
+def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, pool: torch.Tensor,
+           group_start: torch.Tensor, group_desc: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch ``k`` (zip_decode and zip_merge built for ``p``'s launch shape; :func:`run` takes them from
+    :func:`kernels`, an A/B bench from other sources or defines) with no checks."""
     split = p.num_splits > 1 and not p.cta_merge
     grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.pages_per_split, p.num_splits, p.num_kv_heads,
-        p.group, p.batch])
+        p.group, p.batch], smem=smem_bytes(p.head_dim, p.warps, p.stage))
     if split:
         k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
             p.opart, p.lse, out, p.kv_lens, p.pages_per_split * 16, p.num_splits, p.num_qo_heads])
-    return out
 
 
 def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

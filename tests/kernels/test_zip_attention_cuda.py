@@ -105,20 +105,38 @@ def test_plan_merges_splits_in_a_cta_when_it_costs_no_wave() -> None:
         return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
                        torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
 
-    p = mk(32, 128)  # the 2048 x 32 bench shape: 6 splits under the wave model
+    p = mk(32, 128, stage=0)  # the 2048 x 32 bench shape: 6 splits under the wave model
     assert p.num_splits == 6 and p.cta_merge and (p.warps, p.min_blocks) == (6, 2) and p.opart is None
-    p = mk(64, 512)  # 8192 x 64: 3 splits, CTAs of 3 warps, 4 per SM (12 warps per SM as requested)
+    p = mk(64, 512, stage=0)  # 8192 x 64: 3 splits, CTAs of 3 warps, 4 per SM (12 warps per SM as requested)
     assert p.num_splits == 3 and p.cta_merge and (p.warps, p.min_blocks) == (3, 4)
-    p = mk(32, 128, cta_merge=False)
+    p = mk(32, 128, cta_merge=False, stage=0)
     assert not p.cta_merge and (p.warps, p.min_blocks) == (4, 3) and p.opart.shape == (32, 32, 6, 128)
-    p = mk(1, 2048)  # one long sequence: more splits than a CTA merges
+    p = mk(1, 2048, stage=0)  # one long sequence: more splits than a CTA merges
     assert p.num_splits > zc.max_cta_splits(128) and not p.cta_merge and p.opart is not None
     p = mk(8, 16, num_splits=1)  # nothing to merge
     assert not p.cta_merge and p.opart is None
-    p = mk(100, 64, num_splits=5)  # 500 units: CTAs of 5 warps fit 2 per SM (264 at once), two waves instead of one
+    p = mk(100, 64, num_splits=5, stage=0)  # 500 units: CTAs of 5 warps fit 2 per SM (264 at once), two waves
     assert not p.cta_merge
-    assert zc.default_launches(128)[0] == (4, 3, False)
-    assert {(w, c) for w, _, c in zc.default_launches(128)[1:]} == {(s, True) for s in range(2, 12)}
+
+
+def test_plan_takes_16_warps_per_sm_where_the_wave_model_rates_them_faster() -> None:
+    """Stage 1 (head_dim 128's default) fits 16 warps per SM: taken where they buy more splits in one wave (rated
+    >= 15% faster), not where the gain is short splits' (2048 x 96); stage 0 never takes them (158 registers)."""
+    def mk(batch: int, pages: int, **kw) -> zc.CudaDecodePlan:
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+        return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
+                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
+
+    assert zc.default_stage(128) == 1 and zc.default_stage(64) == 0
+    for (batch, pages), want in {(64, 512): (4, 4, 4), (32, 512): (8, 8, 2), (96, 512): (8, 8, 2),
+                                 (32, 128): (8, 8, 2), (64, 128): (4, 4, 4), (96, 128): (2, 2, 6)}.items():
+        p = mk(batch, pages)
+        assert p.stage == 1 and p.cta_merge and (p.num_splits, p.warps, p.min_blocks) == want, (batch, pages)
+        assert p.warps * p.min_blocks in (12, 16)
+    assert mk(64, 512, warps=4, min_blocks=3).num_splits == 3  # a shape given by the caller is kept
+    launches = zc.default_launches(128)
+    assert (4, 3, False) in launches and (4, 4, False) in launches
+    assert {w for w, _, c in launches if c} == set(range(2, zc.max_cta_splits(128, 1) + 1))
 
 
 def _pages(n: int, hkv: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -249,8 +267,9 @@ needs_cuda = pytest.mark.skipif(zc.unsupported() is not None, reason=str(zc.unsu
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("splits,cta_merge", [(1, True), (3, False), (3, True), (None, True)])
+@pytest.mark.parametrize("stage", sorted(zc.STAGES))
 def test_kernel_matches_float64_reference(head_dim: int, group: int, version: int, splits: int | None,
-                                          cta_merge: bool) -> None:
+                                          cta_merge: bool, stage: int) -> None:
     gen = torch.Generator().manual_seed(head_dim + group + version)
     hkv, lens = 2, [1, 15, 16, 17, 200, 777]
     npg = [(x + 15) // 16 for x in lens]
@@ -263,7 +282,7 @@ def test_kernel_matches_float64_reference(head_dim: int, group: int, version: in
     q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
     ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
     p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, num_splits=splits,
-                cta_merge=cta_merge, device="cuda")
+                cta_merge=cta_merge, stage=stage, device="cuda")
     assert p.cta_merge == (cta_merge and p.num_splits > 1)
     out = torch.full_like(q, float("nan"))
     zc.run(p, q, pool, starts, desc, out=out, check=True)
@@ -291,6 +310,42 @@ def test_load_hints_change_no_output_bit(load_hint: int) -> None:
     outs = [zc.run(zc.plan(indptr, idx, last, hkv * group, hkv, 128, num_splits=3, load_hint=h, device="cuda"), q,
                    pool, starts, desc) for h in (0, load_hint)]
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("stage", sorted(set(zc.STAGES) - {0}))
+def test_staged_groups_change_no_output_bit(head_dim: int, stage: int) -> None:
+    """Staging the next page's groups in shared memory moves bytes, not arithmetic: the same bits as registers,
+    with the splits merged in a CTA (partials in the V slots) and through zip_merge, empty splits included."""
+    gen = torch.Generator().manual_seed(stage + head_dim)
+    hkv, group, lens = 2, 4, [5, 300, 777, 2000]
+    npg = [(x + 15) // 16 for x in lens]
+    kv = _pages(sum(npg), hkv, head_dim, gen).cuda()
+    pool, starts, desc, _ = _mma_pool(kv, 1)
+    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
+    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
+    idx = torch.randperm(sum(npg), generator=gen).to(torch.int32).cuda()
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
+    for splits, cta in [(1, True), (6, True), (6, False), (None, True)]:
+        outs = [zc.run(zc.plan(indptr, idx, last, hkv * group, hkv, head_dim, num_splits=splits, cta_merge=cta,
+                               stage=st, device="cuda"), q, pool, starts, desc) for st in (0, stage)]
+        assert torch.equal(outs[0], outs[1]), (splits, cta)
+
+
+def test_stage_shared_memory_and_cta_limits() -> None:
+    """What a staged launch asks of shared memory (the .cu's WARP_SMEM), and the CTA merge's limit under it."""
+    assert zc.smem_bytes(128, 4, 0) == 0
+    assert zc.smem_bytes(128, 4, 1) == 4 * (4096 + 2048)  # V slot + Q fragments per warp
+    assert zc.smem_bytes(128, 4, 2) == 4 * (2 * 4096 + 2048)
+    assert zc.smem_bytes(64, 3, 2) == 3 * (2 * 2048 + 1024)
+    for d in (64, 128):
+        for st in (1, 2):
+            assert zc.smem_bytes(d, zc.max_cta_splits(d, st), st) <= 227 << 10
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="stage"):
+        zc.plan(one, one[:1], torch.tensor([16], dtype=torch.int32), 8, 2, 128, stage=3, device="cpu")
 
 
 def test_run_refuses_a_pool_beyond_the_kernels_reach(monkeypatch) -> None:

@@ -1,6 +1,7 @@
 // ZipFusion paged decode attention over compressed pages, CUDA (sm_80+). Design notes, the Python side and the
 // launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
-// Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE); no header.
+// Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE, -DSTAGE); no
+// header.
 //
 // One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
 // consecutive such units):
@@ -8,7 +9,8 @@
 //   P^T = exp2(S^T - m) -> bf16, movmatrix.trans -> B fragments
 //   O^T[D x 8 heads]     += V^T[D x 16] P^T      mma.m16n8k16, V rebuilt straight into A fragments
 // Each lane loads, per 512-value block, its own 16 values: one 16-byte low-plane load + one 8-byte code load
-// (compressed) or two 16-byte loads (raw); the next page's loads are issued as soon as a buffer is consumed.
+// (compressed) or two 16-byte loads (raw); the next page's loads are issued as soon as a buffer is consumed, into
+// registers or (STAGE) by cp.async into the warp's slot of shared memory.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -36,6 +38,17 @@ typedef unsigned long long u64;
 #ifndef CTA_MERGE
 #define CTA_MERGE 0
 #endif
+// STAGE: where the next page's groups wait until they are used. 0: registers (8 x NB per lane for each of K and V);
+// 1: V in the warp's slot of shared memory, copied by cp.async; 2: K and V there. Staged groups free their
+// registers (Q then moves to shared memory too) and go through L2 only (cp.async.cg). Shared memory is dynamic:
+// WARP_SMEM bytes per warp, as zip_attention_cuda.smem_bytes computes them.
+#ifndef STAGE
+#define STAGE 0
+#endif
+#define V_SMEM (STAGE >= 1)
+#define K_SMEM (STAGE >= 2)
+#define SLOT_BYTES (32 * D)                                        // one group: 16 x D bf16
+#define WARP_SMEM ((K_SMEM ? 2 : 1) * SLOT_BYTES + 16 * D)         // K slot, V slot, Q fragments
 #if LOAD_HINT == 1
 #define LDG_Q ".L1::no_allocate"
 #elif LOAD_HINT == 2
@@ -166,6 +179,58 @@ __device__ __forceinline__ void load_group(const u8* __restrict__ pool, u32 star
   }
 }
 
+
+#if V_SMEM
+__device__ __forceinline__ void cp_async16(u32 dst, const u8* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async8(u32 dst, const u8* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
+}
+// cp.async groups of this thread still in flight may be at most N
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// A group's lane bytes into a slot at the offsets they have in the pool: each lane copies, and later reads back,
+// only its own bytes of a block (so a lane waits for its own copies only); __syncwarp before a slot is refilled
+// orders the reuse across block kinds, whose lane offsets differ.
+__device__ __forceinline__ void stage_group(const u8* __restrict__ pool, u32 start16, u32 desc, u32 slot, int lane) {
+  const u8* p = pool + ((u64)start16 << 4);
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    if (((desc >> (8 * j)) & 0xFFu) == 0xFFu) {
+      cp_async16(slot + lane * 32, p + lane * 32);
+      cp_async16(slot + lane * 32 + 16, p + lane * 32 + 16);
+      p += 1024;
+      slot += 1024;
+    } else {
+      cp_async16(slot + lane * 16, p + lane * 16);
+      cp_async8(slot + 512 + lane * 8, p + 512 + lane * 8);
+      p += 768;
+      slot += 768;
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// One staged block's lane words, as load_group would have put them in registers.
+__device__ __forceinline__ void lds_block(u32 a, u32 dj, u32 (&b)[8], int lane) {
+  if (dj == 0xFFu) {
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a + lane * 32));
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(b[4]), "=r"(b[5]), "=r"(b[6]), "=r"(b[7]) : "r"(a + lane * 32 + 16));
+  } else {
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a + lane * 16));
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(b[4]), "=r"(b[5]) : "r"(a + 512 + lane * 8));
+    b[6] = b[7] = 0u;
+  }
+}
+#endif
+
 // Storage tables of page `pid`: group starts in 16-byte units and the descriptor words of K and V.
 __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__ gstart,
                                           const u8* __restrict__ gdesc, int hkv, int h, u32 (&m)[4]) {
@@ -185,7 +250,6 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
   m[3] = ((const u16*)gdesc)[gi + 1];
 #endif
 }
-
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
@@ -207,8 +271,35 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
   const int g = lane >> 2, t = lane & 3;
   const int hq_total = hkv * group;
   const long long row0 = (long long)b * hq_total + (long long)h * group;
+#if V_SMEM
+  extern __shared__ __align__(16) u8 dsm[];
+  u8* const wsm = dsm + (threadIdx.x >> 5) * WARP_SMEM;  // this warp's part: [V slot][K slot][Q fragments]
+  const u32 vslot = (u32)__cvta_generic_to_shared(wsm);
+#if K_SMEM
+  const u32 kslot = vslot + SLOT_BYTES;
+#endif
+  uint4* const s_q = reinterpret_cast<uint4*>(wsm + (K_SMEM ? 2 : 1) * SLOT_BYTES);  // [NB][32]
+#endif
 
   // Q^T as the B operand: lane (g, t) holds q[head g][16 ks + 2t, +1] and [16 ks + 2t + 8, +9]; heads >= group: 0.
+  // With staged groups the four words of block j's two k-steps sit in shared memory, 16 bytes per lane.
+#if V_SMEM
+  {
+    const u32* qr = (const u32*)(q + (row0 + (g < group ? g : 0)) * D);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      uint4 w;
+      w.x = g < group ? qr[16 * j + t] : 0u;
+      w.y = g < group ? qr[16 * j + t + 4] : 0u;
+      w.z = g < group ? qr[16 * j + 8 + t] : 0u;
+      w.w = g < group ? qr[16 * j + 8 + t + 4] : 0u;
+      s_q[j * 32 + lane] = w;
+    }
+  }
+#define BQ(j) const uint4 bqj = s_q[(j) * 32 + lane]
+#define BQ0 bqj.x, bqj.y
+#define BQ1 bqj.z, bqj.w
+#else
   u32 bq[KS][2];
   {
     const u32* qr = (const u32*)(q + (row0 + (g < group ? g : 0)) * D);
@@ -218,6 +309,10 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       bq[ks][1] = g < group ? qr[8 * ks + t + 4] : 0u;
     }
   }
+#define BQ(j)
+#define BQ0 bq[2 * j][0], bq[2 * j][1]
+#define BQ1 bq[2 * j + 1][0], bq[2 * j + 1][1]
+#endif
 
   // Page metadata 32 pages at a time, lane i holding page i of the chunk; page ids one chunk ahead.
   const int* pidx = indices + indptr[b] + p0;
@@ -227,9 +322,18 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 
   u32 sk = __shfl_sync(FULL, meta[0], 0), sv = __shfl_sync(FULL, meta[1], 0);
   u32 dk = __shfl_sync(FULL, meta[2], 0), dv = __shfl_sync(FULL, meta[3], 0);
-  u32 kb[NB][8], vb[NB][8];
+#if K_SMEM
+  stage_group(pool, sk, dk, kslot, lane);
+#else
+  u32 kb[NB][8];
   load_group(pool, sk, dk, kb, lane);
+#endif
+#if V_SMEM
+  stage_group(pool, sv, dv, vslot, lane);
+#else
+  u32 vb[NB][8];
   load_group(pool, sv, dv, vb, lane);
+#endif
 
   float o[KS][4];
 #pragma unroll
@@ -253,14 +357,35 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 
     // S^T = K Q^T for this page's 16 tokens
     float s[4] = {0.f, 0.f, 0.f, 0.f};
+#if K_SMEM
+    cp_wait<1>();  // this page's K (its V, staged after it, may still be in flight)
+    {
+      u32 a = kslot;
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const u32 dj = (dk >> (8 * j)) & 0xFFu;
+        u32 kw[8], a0[4], a1[4];
+        lds_block(a, dj, kw, lane);
+        a += dj == 0xFFu ? 1024 : 768;
+        block_frags(kw, dj, a0, a1);
+        BQ(j);
+        mma(s, a0, BQ0);
+        mma(s, a1, BQ1);
+      }
+    }
+    __syncwarp();
+    if (more) stage_group(pool, nsk, ndk, kslot, lane);
+#else
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
       u32 a0[4], a1[4];
       block_frags(kb[j], (dk >> (8 * j)) & 0xFFu, a0, a1);
-      mma(s, a0, bq[2 * j][0], bq[2 * j][1]);
-      mma(s, a1, bq[2 * j + 1][0], bq[2 * j + 1][1]);
+      BQ(j);
+      mma(s, a0, BQ0);
+      mma(s, a1, BQ1);
     }
     if (more) load_group(pool, nsk, ndk, kb, lane);
+#endif
 
     // online softmax in base 2; the running max moves only when a head's max grows by more than 2^8
     const int tok = (p0 + p) * 16 + g;
@@ -294,6 +419,25 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
     const u32 pb0 = movtrans(pack_bf16(e0, e1)), pb1 = movtrans(pack_bf16(e2, e3));
 
     // O^T += V^T P^T
+#if V_SMEM
+    // this page's V; with K staged too, the next page's K (staged after it) may still be in flight
+    if (K_SMEM && more) cp_wait<1>(); else cp_wait<0>();
+    {
+      u32 a = vslot;
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const u32 dj = (dv >> (8 * j)) & 0xFFu;
+        u32 vw[8], a0[4], a1[4];
+        lds_block(a, dj, vw, lane);
+        a += dj == 0xFFu ? 1024 : 768;
+        block_frags(vw, dj, a0, a1);
+        mma(o[2 * j], a0, pb0, pb1);
+        mma(o[2 * j + 1], a1, pb0, pb1);
+      }
+    }
+    __syncwarp();
+    if (more) stage_group(pool, nsv, ndv, vslot, lane);
+#else
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
       u32 a0[4], a1[4];
@@ -302,6 +446,7 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       mma(o[2 * j + 1], a1, pb0, pb1);
     }
     if (more) load_group(pool, nsv, ndv, vb, lane);
+#endif
     dk = ndk;
     dv = ndv;
   }
@@ -315,19 +460,27 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 #if CTA_MERGE
   {
     // Partials of this CTA's splits in shared memory, then each output value merged over them (log-sum-exp, as
-    // zip_merge does); a split past the sequence's end (n <= 0) weighs nothing.
-    __shared__ float s_o[NWARPS][8][D];
-    __shared__ float s_lse[NWARPS][8];
+    // zip_merge does); a split past the sequence's end (n <= 0) weighs nothing. With staged groups a warp's
+    // partial output takes its V slot (8 x D fp32 = one slot), free once every lane has read it.
     const int w = threadIdx.x >> 5;
+#if V_SMEM
+    cp_wait<0>();  // a split with no pages staged its first groups and never waited for them
+    __syncwarp();
+#define S_O(sp, hd, dim) reinterpret_cast<float*>(dsm + (sp) * WARP_SMEM)[(hd) * D + (dim)]
+#else
+    __shared__ float s_o[NWARPS][8][D];
+#define S_O(sp, hd, dim) s_o[sp][hd][dim]
+#endif
+    __shared__ float s_lse[NWARPS][8];
     const bool has = n > 0;
     const float i0 = has ? 1.f / l0 : 0.f, i1 = has ? 1.f / l1 : 0.f;
 #pragma unroll
     for (int i = 0; i < KS; ++i) {
       const int dim = 16 * i + g;
-      s_o[w][hd0][dim] = o[i][0] * i0;
-      s_o[w][hd0][dim + 8] = o[i][2] * i0;
-      s_o[w][hd1][dim] = o[i][1] * i1;
-      s_o[w][hd1][dim + 8] = o[i][3] * i1;
+      S_O(w, hd0, dim) = o[i][0] * i0;
+      S_O(w, hd0, dim + 8) = o[i][2] * i0;
+      S_O(w, hd1, dim) = o[i][1] * i1;
+      S_O(w, hd1, dim + 8) = o[i][3] * i1;
     }
     if (g == 0) {
       s_lse[w][hd0] = has ? m0 + __log2f(l0) : NEG_INF;
@@ -344,7 +497,7 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       for (int sp = 0; sp < NWARPS; ++sp) {
         const float wgt = ex2(s_lse[sp][hd] - mx);  // 2^-inf = 0 for an empty split
         sum += wgt;
-        acc += wgt * s_o[sp][hd][dim];
+        acc += wgt * S_O(sp, hd, dim);
       }
       out[(row0 + hd) * D + dim] = to_bf16(acc / sum);
     }
@@ -385,7 +538,6 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
     }
   }
 }
-
 // out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge), one thread per dim.
 extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
                                      u16* __restrict__ out, const int* __restrict__ kv_lens, int split_tokens,
