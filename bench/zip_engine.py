@@ -316,13 +316,21 @@ def compression_seen(eng: LLMEngine) -> dict:
     return out
 
 
+def _cuda_stage(head_dim: int) -> int | None:
+    """Where the CUDA zip kernel stages the next page by default at this head_dim (None: it takes no such shape)."""
+    from kvtide.kernels import zip_attention_cuda as zc
+
+    return zc.default_stage(head_dim) if head_dim in (64, 128) else None
+
+
 def run_backend(label: str, backend: str, compress: bool, a, budget: int, batches: list[int] | None,
                 bank: tuple[torch.Tensor, torch.Tensor] | None, steps: int, sync, partial=None) -> dict:
     """One engine; prefixes warmed once and reused from the prefix cache; batches in increasing order.
     ``partial(result so far)`` is called after each batch (the caller writes it out)."""
     try:
         llm = LLM(a.model_name, progress=False, device=a.device, dtype=a.dtype, attention_backend=backend, seed=0,
-                  cuda_graphs=a.cuda_graphs, cache=CacheConfig(kv_cache_bytes=budget, compress=compress),
+                  cuda_graphs=a.cuda_graphs, cache=CacheConfig(kv_cache_bytes=budget, compress=compress,
+                                                               format_version=a.format_version),
                   scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
                                             max_model_len=a.context + steps + PAGE))
     except ValueError as e:  # e.g. zip refusing a pool the kernel cannot address
@@ -443,6 +451,8 @@ def main() -> None:
                     help="with --profile-steps: also write each backend's timeline as <stem>_<backend>.json.gz")
     ap.add_argument("--only", default="baseline,zip,decompress",
                     help="which of baseline, zip, decompress to run (comma list; ratios need baseline and zip)")
+    ap.add_argument("--format-version", type=int, default=CacheConfig.format_version, choices=(1, 2),
+                    help="ZipFusion format of the compressed pool (2: exact-zero escapes; default: CacheConfig's)")
     ap.add_argument("--zip-options", default=None,
                     help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
                          "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
@@ -472,6 +482,7 @@ def main() -> None:
         from kvtide.kernels import zip_attention as za
         za.set_defaults("zip", **zip_options)
     res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention",
+                 "cuda_kernel_stage": _cuda_stage(args.head_dim),
                  "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,
@@ -479,6 +490,7 @@ def main() -> None:
                            "budget_note": f"{a.budget_seqs:g} uncompressed sequences of {a.context}+{a.steps} tokens "
                                           "(+8 pages), the same bytes for every backend",
                            "batches": batches, "step_tokens": a.step_tokens, "cuda_graphs": a.cuda_graphs,
+                           "format_version": a.format_version,
                            "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
                                            "batch decodes and nothing else runs)"}}
     bank = None

@@ -39,7 +39,10 @@ class CacheConfig:
     # in one chunked pool; the same budget then holds more pages. BF16 KV only.
     compress: bool = False
     block_size: int = 512  # values per compression block; must divide page_size * head_dim
-    format_version: int = 1  # 1, or 2 (exact-zero escape blocks)
+    # 2: v1 plus exact-zero escapes (zipformat.py); on the bundled models' KV 91-93% of K blocks compress instead of
+    # 79%, the H200 engine holds 65 8K-token sequences where v1 holds 64, and the CUDA kernel (stage 1) runs as fast
+    # (bench/results/zip_engine_cuda_graphs_h200_v{1,2}_stage1.json, zip_kernel_ab_stage_confirm_h200.json)
+    format_version: int = 2
     # value order inside a page group (kvtide/cache/zip_order.py): "mma" feeds the CUDA decode kernel, "token" the
     # Triton one and every torch path; "auto" = "mma" where the CUDA kernel can serve the model on this device
     value_order: str = "auto"
