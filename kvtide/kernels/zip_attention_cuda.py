@@ -174,7 +174,7 @@ def build(device: torch.device | str | int, head_dim: int, version: int) -> None
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     launches = default_launches(head_dim)
     with ThreadPoolExecutor(max_workers=min(8, len(launches))) as ex:
-        stage = _DEFAULTS[head_dim]["stage"]
+        stage = default_stage(head_dim)
         for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage) for w, mb, cm in launches]:
             f.result()
 
@@ -224,7 +224,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
-    (``min_blocks`` CTAs of ``warps`` warps per SM); with ``waves`` set, enough splits for B * Hkv * splits warps to
+    (``min_blocks`` CTAs of ``warps`` warps per SM; with both None, the stage's first launch shape or a later one the
+    model rates :data:`SHAPE_MARGIN` x its time or less); with ``waves`` set, enough splits for B * Hkv * splits warps to
     fill that many waves, at least 8 pages per split. ``cta_merge``: where a sequence is split into 2 to
     :func:`max_cta_splits` parts and CTAs of that many warps need no more waves than the requested shape, launch
     those instead and merge on chip (the plan's ``warps``/``min_blocks`` are then the CTA's). ``load_hint``: cache

@@ -179,7 +179,6 @@ __device__ __forceinline__ void load_group(const u8* __restrict__ pool, u32 star
   }
 }
 
-
 #if V_SMEM
 __device__ __forceinline__ void cp_async16(u32 dst, const u8* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
@@ -250,6 +249,7 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
   m[3] = ((const u16*)gdesc)[gi + 1];
 #endif
 }
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
@@ -538,6 +538,7 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
     }
   }
 }
+
 // out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge), one thread per dim.
 extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
                                      u16* __restrict__ out, const int* __restrict__ kv_lens, int split_tokens,
