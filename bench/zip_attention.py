@@ -16,8 +16,10 @@ entry has its own pages, scattered through the pool by a random page table. L2 i
 
 Diagnostics beside the do_bench figures (the goals' measure): ``--clean-flush`` (L2 emptied by a read-only sweep, no
 dirty lines left for the timed call), ``--breakdown`` (device time per kernel, CUPTI), ``--load-hints`` (cache hints
-on the CUDA kernel's loads). The CUDA kernel's launch shapes are tuned with the splits merged in a CTA and with the
-zip_merge launch, and the best of each is timed again (``cta_merge_ab``).
+on the CUDA kernel's loads). The CUDA kernel's launch shapes (``CUDA_CONFIGS``, the first being the plan's own
+choice, as the engine runs it) are tuned with the splits merged in a CTA and with the zip_merge launch, and the best of
+each is timed again (``cta_merge_ab``); ``--stage`` picks where the kernel stages the next page (default: the plan's).
+Kernel changes worth 1-2% are A/B'd with ``bench/zip_kernel_ab.py`` (variants in one process, in turn).
 """
 
 from __future__ import annotations
