@@ -228,6 +228,14 @@ __device__ __forceinline__ void lds_block(u32 a, u32 dj, u32 (&b)[8], int lane) 
     b[6] = b[7] = 0u;
   }
 }
+
+// Fragments of a staged group's next block (descriptor byte dj) at slot address a, which moves past the block.
+__device__ __forceinline__ void staged_frags(u32& a, u32 dj, int lane, u32 (&a0)[4], u32 (&a1)[4]) {
+  u32 w[8];
+  lds_block(a, dj, w, lane);
+  a += dj == 0xFFu ? 1024 : 768;
+  block_frags(w, dj, a0, a1);
+}
 #endif
 
 // Storage tables of page `pid`: group starts in 16-byte units and the descriptor words of K and V.
@@ -363,11 +371,8 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       u32 a = kslot;
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
-        const u32 dj = (dk >> (8 * j)) & 0xFFu;
-        u32 kw[8], a0[4], a1[4];
-        lds_block(a, dj, kw, lane);
-        a += dj == 0xFFu ? 1024 : 768;
-        block_frags(kw, dj, a0, a1);
+        u32 a0[4], a1[4];
+        staged_frags(a, (dk >> (8 * j)) & 0xFFu, lane, a0, a1);
         BQ(j);
         mma(s, a0, BQ0);
         mma(s, a1, BQ1);
@@ -426,11 +431,8 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       u32 a = vslot;
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
-        const u32 dj = (dv >> (8 * j)) & 0xFFu;
-        u32 vw[8], a0[4], a1[4];
-        lds_block(a, dj, vw, lane);
-        a += dj == 0xFFu ? 1024 : 768;
-        block_frags(vw, dj, a0, a1);
+        u32 a0[4], a1[4];
+        staged_frags(a, (dv >> (8 * j)) & 0xFFu, lane, a0, a1);
         mma(o[2 * j], a0, pb0, pb1);
         mma(o[2 * j + 1], a1, pb0, pb1);
       }
