@@ -41,6 +41,7 @@ from bench.engine_gpu import env  # noqa: E402
 from kvtide import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.engine import model_runner  # noqa: E402
 from kvtide.engine.attention import AttentionBackend, BatchLayout  # noqa: E402
+from kvtide.engine.cuda_graphs import DecodeGraph  # noqa: E402
 from kvtide.engine.llm_engine import LLMEngine  # noqa: E402
 from kvtide.models.loader import RANDOM_PRESETS  # noqa: E402
 
@@ -124,8 +125,27 @@ class HostClock:
     current: "HostClock | None" = None  # the sampler wrapper (installed once) books into the newest clock
 
     def __init__(self, eng: LLMEngine) -> None:
-        self.spent = {"schedule": 0.0, "compress": 0.0, "sample": 0.0}
+        self.spent = {"schedule": 0.0, "layout": 0.0, "plan": 0.0, "launch": 0.0, "compress": 0.0, "sample": 0.0}
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         HostClock.current = self
+        if not getattr(DecodeGraph.run, "_bench_timed", False):  # the forward's launches and its device span
+            run = DecodeGraph.run
+
+            def timed_run(graph, *args, **kw):
+                clock, t = HostClock.current, time.perf_counter()
+                e0 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                try:
+                    return run(graph, *args, **kw)
+                finally:
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e1.record()
+                    if clock is not None:
+                        clock.spent["launch"] += time.perf_counter() - t
+                        clock.events.append((e0, e1))
+
+            timed_run._bench_timed = True
+            DecodeGraph.run = timed_run
         if not getattr(model_runner.sample, "_bench_timed", False):
             fn = model_runner.sample
 
@@ -140,6 +160,8 @@ class HostClock:
             timed_sample._bench_timed = True
             model_runner.sample = timed_sample
         self._wrap(eng.scheduler, "schedule", "schedule")
+        self._wrap(eng.runner, "layout", "layout")
+        self._wrap(eng.runner.attention, "plan", "plan")
         if eng.store is not None:  # both halves (store.compress calls them too, so nothing counts twice)
             self._wrap(eng.store, "compress_begin", "compress")
             self._wrap(eng.store, "compress_finish", "compress")
@@ -157,7 +179,12 @@ class HostClock:
         setattr(obj, name, timed_call)
 
     def take(self) -> dict[str, float]:
+        """The step's buckets, and ``device_span``: device seconds from the forward's first kernel to its last
+        (CUDA graphs; the caller has synced), so that step time - span is time the device sat idle."""
         out, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
+        if self.events:
+            out["device_span"] = sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        self.events = []
         return out
 
 
@@ -194,7 +221,7 @@ def drain(eng: LLMEngine, proxy: RealKV | None, sync, batch: int, page_steps: li
                 if page_steps is not None and paged:
                     page_steps.append(dt)
                 if host is not None:
-                    host.append((paged, spent))
+                    host.append((paged, {**spent, "step": dt}))
         steps += 1
     eng.runner.attention = inner
     return times, steps
@@ -230,8 +257,9 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
         "median_step_ms": med * 1e3, "mean_step_ms": sum(times) / len(times) * 1e3,
         "untimed_first_decode_step": True,
         "page_steps": len(page_steps),
-        "host_ms_mean": {kind: {part: statistics.mean(h[part] for paged, h in host if paged == want) * 1e3
-                                for part in ("schedule", "compress", "sample")}
+        "host_ms_mean": {kind: {part: statistics.mean(h.get(part, 0.0) for paged, h in host if paged == want) * 1e3
+                                for part in ("schedule", "layout", "plan", "launch", "compress", "sample", "step",
+                                             "device_span")}
                          for kind, want in (("page_steps", True), ("plain_steps", False))
                          if any(paged == want for paged, _ in host)},
         "page_step_median_ms": statistics.median(page_steps) * 1e3 if page_steps else None,
