@@ -4,8 +4,8 @@ uncompressed FlashInfer (compress=False) under ONE KV byte budget, plus decompre
 Model: Llama-3.1-8B shape (`random:llama3-8b`, RANDOM weights, bf16). Each sequence: an 8192-token prefix,
 prefilled (and, with compress=True, compressed) before timing, then one untimed decode step (CUDA graph capture,
 JIT) and 255 timed ones; tokens/s = batch * steps / (sum of the step times). Steps that allocate or compress pages
-are reported apart, with the host time spent in the scheduler and in compress, and the sampler's time (the step's
-one wait for the device: near zero, the step is host-bound). The JSON is rewritten after every
+are reported apart, with the host time spent in the scheduler and in compress, and the time spent waiting for sampled
+tokens (the step's one wait for the device: near zero, the step is host-bound). The JSON is rewritten after every
 batch ("complete": false until the end), so a run cut short by a time limit keeps what it measured. Batches 16, 32, 48 and each backend's largest batch under the budget:
 the uncompressed one from its page count, zip's from the measured size of its compressed prefixes.
 
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import env  # noqa: E402
 from kvtide import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
-from kvtide.engine import model_runner  # noqa: E402
 from kvtide.engine.attention import AttentionBackend, BatchLayout  # noqa: E402
 from kvtide.engine.cuda_graphs import DecodeGraph  # noqa: E402
+from kvtide.engine.model_runner import StepHandle  # noqa: E402
 from kvtide.engine.llm_engine import LLMEngine  # noqa: E402
 from kvtide.models.loader import RANDOM_PRESETS  # noqa: E402
 
@@ -117,15 +117,16 @@ def page_events(eng: LLMEngine) -> tuple[int, int]:
 
 
 class HostClock:
-    """Seconds the current step spends in the scheduler and in the store's compress (host time, device synced
-    inside compress only where it syncs itself): where page steps' extra time goes. Also the sampler's time,
-    which holds the step's one wait for the device: near zero there means the host, not the device, sets the
-    step time (host work added anywhere in the step then adds to it)."""
+    """Host seconds a step spends in the scheduler, page layout, attention plan, the forward's launches and the
+    store's compress, and waiting for sampled tokens (``wait``: the step's one wait for the device; near zero
+    means the host, not the device, sets the step time). Also CUDA events around the forward's graph replays, from
+    which ``device_span`` (first kernel to last) is read once the run has synced: step time - span is time the
+    device sat idle between steps (host work that async scheduling moves behind the device)."""
 
-    current: "HostClock | None" = None  # the sampler wrapper (installed once) books into the newest clock
+    current: "HostClock | None" = None  # the class-level wrappers (installed once) book into the newest clock
 
     def __init__(self, eng: LLMEngine) -> None:
-        self.spent = {"schedule": 0.0, "layout": 0.0, "plan": 0.0, "launch": 0.0, "compress": 0.0, "sample": 0.0}
+        self.spent = {"schedule": 0.0, "layout": 0.0, "plan": 0.0, "launch": 0.0, "compress": 0.0, "wait": 0.0}
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         HostClock.current = self
         if not getattr(DecodeGraph.run, "_bench_timed", False):  # the forward's launches and its device span
@@ -146,19 +147,19 @@ class HostClock:
 
             timed_run._bench_timed = True
             DecodeGraph.run = timed_run
-        if not getattr(model_runner.sample, "_bench_timed", False):
-            fn = model_runner.sample
+        if not getattr(StepHandle.result, "_bench_timed", False):
+            result = StepHandle.result
 
-            def timed_sample(*args, **kw):
+            def timed_result(handle):
                 t = time.perf_counter()
                 try:
-                    return fn(*args, **kw)
+                    return result(handle)
                 finally:
                     if HostClock.current is not None:
-                        HostClock.current.spent["sample"] += time.perf_counter() - t
+                        HostClock.current.spent["wait"] += time.perf_counter() - t
 
-            timed_sample._bench_timed = True
-            model_runner.sample = timed_sample
+            timed_result._bench_timed = True
+            StepHandle.result = timed_result
         self._wrap(eng.scheduler, "schedule", "schedule")
         self._wrap(eng.runner, "layout", "layout")
         self._wrap(eng.runner.attention, "plan", "plan")
@@ -178,13 +179,10 @@ class HostClock:
 
         setattr(obj, name, timed_call)
 
-    def take(self) -> dict[str, float]:
-        """The step's buckets, and ``device_span``: device seconds from the forward's first kernel to its last
-        (CUDA graphs; the caller has synced), so that step time - span is time the device sat idle."""
+    def take(self) -> dict:
+        """The step's buckets (seconds) and its forward's events (``span_events``, read after a sync)."""
         out, self.spent = self.spent, dict.fromkeys(self.spent, 0.0)
-        if self.events:
-            out["device_span"] = sum(a.elapsed_time(b) for a, b in self.events) / 1e3
-        self.events = []
+        out["span_events"], self.events = self.events, []
         return out
 
 
@@ -194,25 +192,34 @@ def drain(eng: LLMEngine, proxy: RealKV | None, sync, batch: int, page_steps: li
     sequences decode (and nothing else runs), and the number of steps. ``page_steps`` collects the times of
     those of them that also allocated or compressed pages (every 16th step when the batch runs in lockstep);
     ``skip_first`` leaves the first such step untimed (CUDA graph capture and kernel JIT happen there); ``host``
-    gets (page step?, HostClock seconds) of each timed step."""
+    gets (page step?, HostClock seconds) of each timed step.
+
+    A step's time is the wall time of its ``eng.step()`` call. Synchronous engines are synced before and after
+    each call; with async scheduling nothing is synced between calls (that would undo it): a call launches its
+    step and then waits for the previous one's tokens, so in steady state calls are paced by the device."""
     inner = eng.runner.attention if proxy is None else proxy.inner
     clock = getattr(eng, "_bench_clock", None) or HostClock(eng)
     eng._bench_clock = clock
     times, steps = [], 0
+    overlap = eng.async_scheduling
+    sync()
     while eng.has_unfinished():
         ev0 = page_events(eng)
         clock.take()
         s = eng.scheduler
         prefill = bool(s.waiting) or any(q.num_computed_tokens < q.num_prompt_tokens for q in s.running)
         eng.runner.attention = proxy if (proxy is not None and prefill) else inner
-        sync()
+        if not overlap:
+            sync()
+        launched = eng.stats.steps
         t0 = time.perf_counter()
         eng.step()
-        sync()
+        if not overlap:
+            sync()
         dt = time.perf_counter() - t0
         n_prefill, n_decode, _ = eng.stats.last_step
         spent = clock.take()
-        if n_prefill == 0 and n_decode == batch:
+        if n_prefill == 0 and n_decode == batch and eng.stats.steps > launched:  # this call launched the step
             if skip_first:
                 skip_first = False
             else:
@@ -223,6 +230,11 @@ def drain(eng: LLMEngine, proxy: RealKV | None, sync, batch: int, page_steps: li
                 if host is not None:
                     host.append((paged, {**spent, "step": dt}))
         steps += 1
+    sync()
+    for _, h in host or []:  # every event has run now
+        ev = h.pop("span_events", [])
+        if ev:
+            h["device_span"] = sum(a.elapsed_time(b) for a, b in ev) / 1e3
     eng.runner.attention = inner
     return times, steps
 
@@ -258,7 +270,7 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
         "untimed_first_decode_step": True,
         "page_steps": len(page_steps),
         "host_ms_mean": {kind: {part: statistics.mean(h.get(part, 0.0) for paged, h in host if paged == want) * 1e3
-                                for part in ("schedule", "layout", "plan", "launch", "compress", "sample", "step",
+                                for part in ("schedule", "layout", "plan", "launch", "compress", "wait", "step",
                                              "device_span")}
                          for kind, want in (("page_steps", True), ("plain_steps", False))
                          if any(paged == want for paged, _ in host)},
@@ -357,10 +369,11 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
     ``partial(result so far)`` is called after each batch (the caller writes it out)."""
     try:
         llm = LLM(a.model_name, progress=False, device=a.device, dtype=a.dtype, attention_backend=backend, seed=0,
-                  cuda_graphs=a.cuda_graphs, cache=CacheConfig(kv_cache_bytes=budget, compress=compress,
-                                                               format_version=a.format_version),
+                  cuda_graphs=a.cuda_graphs, async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
+                  cache=CacheConfig(kv_cache_bytes=budget, compress=compress, format_version=a.format_version,
+                                    compress_spread_steps=a.compress_spread_steps),
                   scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
-                                            max_model_len=a.context + steps + PAGE))
+                                            max_model_len=a.context + steps + PAGE, page_lookahead=a.page_lookahead))
     except ValueError as e:  # e.g. zip refusing a pool the kernel cannot address
         gc.collect()
         if a.device == "cuda":
@@ -398,15 +411,25 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
                 break
             runs[f"{b}_not_whole"] = r
             b = largest = max(1, b - max(1, b // 50))
+        r["async_scheduling"] = eng.async_scheduling
         runs[str(b)] = r
+        rows = [(str(b), r)]
+        if a.other_mode:  # the same batch on the same engine with async scheduling the other way
+            eng.async_scheduling = not eng.async_scheduling
+            key = f"{b}_{'async' if eng.async_scheduling else 'sync'}"
+            runs[key] = timed(eng, [prompt(i, a.context, vocab) for i in range(b)], steps, proxy, sync)
+            runs[key]["async_scheduling"] = eng.async_scheduling
+            eng.async_scheduling = not eng.async_scheduling
+            rows.append((key, runs[key]))
         if partial is not None:
             partial({**out, "largest_batch": largest, "runs": dict(runs)})
-        print(f"  {label:>12} batch {b:>3}: {r.get('median_step_ms', float('nan')):8.2f} ms/step "
-              f"{r.get('tokens_per_s', float('nan')):9.0f} tok/s  preemptions {r.get('preemptions')}; "
-              f"mean {r.get('mean_step_ms', float('nan')):.2f} ms, plain steps {r.get('plain_step_mean_ms') or 0:.2f}, "
-              f"{r.get('page_steps')} page steps {r.get('page_step_median_ms') or 0:.2f}; host ms "
-              f"{ {k: {p: round(x, 2) for p, x in v.items()} for k, v in r.get('host_ms_mean', {}).items()} }",
-              flush=True)
+        for key, r in rows:
+            print(f"  {label:>12} batch {key:>9}: {r.get('median_step_ms', float('nan')):8.2f} ms/step "
+                  f"{r.get('tokens_per_s', float('nan')):9.0f} tok/s  preemptions {r.get('preemptions')}; "
+                  f"mean {r.get('mean_step_ms', float('nan')):.2f} ms, plain steps {r.get('plain_step_mean_ms') or 0:.2f}, "
+                  f"{r.get('page_steps')} page steps {r.get('page_step_median_ms') or 0:.2f}; host ms "
+                  f"{ {k: {p: round(x, 2) for p, x in v.items()} for k, v in r.get('host_ms_mean', {}).items()} }",
+                  flush=True)
     out["largest_batch"] = largest
     out["runs"] = runs
     if a.profile_steps:
@@ -481,6 +504,15 @@ def main() -> None:
                     help="which of baseline, zip, decompress to run (comma list; ratios need baseline and zip)")
     ap.add_argument("--format-version", type=int, default=CacheConfig.format_version, choices=(1, 2),
                     help="ZipFusion format of the compressed pool (2: exact-zero escapes; default: CacheConfig's)")
+    ap.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                    help="EngineConfig.async_scheduling for every backend (auto: on for CUDA)")
+    ap.add_argument("--compress-spread-steps", type=int, default=CacheConfig.compress_spread_steps,
+                    help="CacheConfig.compress_spread_steps (1: place a page step's pages all in the next step)")
+    ap.add_argument("--page-lookahead", type=int, default=SchedulerConfig.page_lookahead,
+                    help="SchedulerConfig.page_lookahead (0: every page taken in the step that needs it)")
+    ap.add_argument("--other-mode", action="store_true",
+                    help="also time each batch with async scheduling the other way, on the same engine "
+                         "(runs '<batch>_sync' or '<batch>_async')")
     ap.add_argument("--zip-options", default=None,
                     help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
                          "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
@@ -518,7 +550,9 @@ def main() -> None:
                            "budget_note": f"{a.budget_seqs:g} uncompressed sequences of {a.context}+{a.steps} tokens "
                                           "(+8 pages), the same bytes for every backend",
                            "batches": batches, "step_tokens": a.step_tokens, "cuda_graphs": a.cuda_graphs,
-                           "format_version": a.format_version,
+                           "format_version": a.format_version, "async_scheduling": a.async_scheduling,
+                           "other_mode": a.other_mode, "compress_spread_steps": a.compress_spread_steps,
+                           "page_lookahead": a.page_lookahead,
                            "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
                                            "batch decodes and nothing else runs)"}}
     bank = None

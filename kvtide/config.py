@@ -48,6 +48,9 @@ class CacheConfig:
     value_order: str = "auto"
     chunk_bytes: int | None = None  # pool chunk size; default: sized from the budget (zip_pages.auto_chunk_bytes)
     private_chunks: int = 1  # chunks each layer keeps for itself; the rest are shared across layers
+    # decode steps place the pages one step filled over this many steps (1: all in the next step): a batch in
+    # lockstep fills a page per sequence in the same step, and placing them all at once made that step host-bound
+    compress_spread_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -69,6 +72,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.value_order must be auto, token or mma, got '{self.value_order}'")
         if self.chunk_bytes is not None and (self.chunk_bytes <= 0 or self.chunk_bytes % 16):
             raise ValueError(f"CacheConfig.chunk_bytes must be a positive multiple of 16, got {self.chunk_bytes}")
+        if isinstance(self.compress_spread_steps, bool) or not isinstance(self.compress_spread_steps, int) \
+                or self.compress_spread_steps < 1:
+            raise ValueError(f"CacheConfig.compress_spread_steps must be an int >= 1, got {self.compress_spread_steps!r}")
         if self.private_chunks < 0:
             raise ValueError(f"CacheConfig.private_chunks must be >= 0, got {self.private_chunks}")
         if self.compress and parse_dtype(self.kv_dtype) != torch.bfloat16:
@@ -87,8 +93,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context window
+    # a decoding sequence may take its next page up to this many steps before it needs it, at most
+    # ceil(running / page_lookahead) sequences a step: a batch in lockstep then spreads the page allocations (and
+    # the compressed pool's evictions) that it would otherwise all make in one step over the steps before. 0: off
+    page_lookahead: int = 8
 
     def __post_init__(self) -> None:
+        if isinstance(self.page_lookahead, bool) or not isinstance(self.page_lookahead, int) or self.page_lookahead < 0:
+            raise ValueError(f"SchedulerConfig.page_lookahead must be an int >= 0, got {self.page_lookahead!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -164,6 +176,10 @@ class EngineConfig:
     # decode steps replay the model between attention calls as CUDA graphs (kvtide/engine/cuda_graphs.py): the
     # host work of a step drops to L + 1 graph launches and L attention calls. CUDA only.
     cuda_graphs: bool = False
+    # schedule and launch step N+1 before step N's tokens reach the host (they reach step N+1 on the device), so the
+    # host's per-step work (scheduling, page tables, attention plans, compression bookkeeping, outputs) runs while
+    # the device computes. None: on for CUDA engines without restoration; the CPU gains nothing from it.
+    async_scheduling: bool | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -186,6 +202,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "flashinfer", "zip"):
             raise ValueError(f"EngineConfig.attention_backend must be auto, torch, flashinfer or zip, "
                              f"got '{self.attention_backend}'")
+        if self.async_scheduling and self.restore is not None:
+            raise ValueError("EngineConfig.async_scheduling cannot be combined with restore (restoration runs its "
+                             "prefills between steps and times each step): leave async_scheduling unset or False")
         if self.attention_backend == "zip" and not self.cache.compress:
             raise ValueError("EngineConfig.attention_backend 'zip' attends over the compressed pool: set "
                              "CacheConfig(compress=True), or choose auto, torch or flashinfer")
@@ -198,6 +217,12 @@ class EngineConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device asks for CUDA but torch sees no CUDA device")
         return dev
+
+    @property
+    def async_scheduling_on(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.restore is None and self.torch_device.type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -224,7 +249,10 @@ class EngineConfig:
 
 def _coerce(obj: Any, name: str, raw: str) -> Any:
     current = getattr(obj, name)
-    if isinstance(current, bool):
+    ftype = str(next(f.type for f in dataclasses.fields(obj) if f.name == name))
+    if isinstance(current, bool) or ftype.startswith("bool"):
+        if ftype.endswith("None") and raw.lower() in ("", "none", "auto"):
+            return None
         return raw.lower() in ("1", "true", "yes", "on")
     if isinstance(current, int) or name in ("num_pages", "kv_cache_bytes", "max_model_len", "chunk_bytes"):
         return int(raw)

@@ -123,6 +123,7 @@ class _PendingCompression:
     desc: torch.Tensor  # uint8 [L, n, H, 2, blocks_per_group]
     classes: torch.Tensor  # int8 [L, n, H, 2] (pinned host memory on CUDA)
     event: torch.cuda.Event | None
+    done: int = 0  # pages [0, done) finished (compress_finish may take a job a few pages at a time)
 
 
 class ZipPagedKV:
@@ -163,6 +164,10 @@ class ZipPagedKV:
         self._mma = geo.value_order != "token"
         # stored position of each natural (token * head_dim + dim) value, K and V: [2, page_size * head_dim]
         self._stored_pos = zip_order.natural_to_stored(geo.value_order, geo.page_size, geo.head_dim, self.device)
+        # write: one Triton launch per layer on a GPU (kvtide.kernels.kv_write) instead of ~5 torch ops; the torch
+        # code stays on the CPU (the reference, and fast enough there). Tests set it on a CPU store to run the
+        # kernel in the Triton interpreter.
+        self.fused_write = self.device.type == "cuda"
         self.counters = {"pages_compressed": 0, "pages_allocated": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
                          "k_stored_bytes": 0, "v_stored_bytes": 0, "k_raw_bytes": 0, "v_raw_bytes": 0}
 
@@ -241,7 +246,14 @@ class ZipPagedKV:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store new tokens' K/V ([T, kv_heads, head_dim]) into their (raw) pages; slot = page * page_size + offset.
-        ``rows``: :meth:`write_rows` of the same ``slot_mapping``, planned once for all layers."""
+        ``rows``: :meth:`write_rows` of the same ``slot_mapping``, planned once for all layers (unused by the fused
+        write, which computes each value's place in its one launch)."""
+        if self.fused_write:
+            from ..kernels import kv_write
+
+            kv_write.write_pool(self._pool16, self.group_start[layer], self._stored_pos if self._mma else None,
+                                k, v, slot_mapping, self.geo.page_size)
+            return
         pages, rel = self.write_rows(slot_mapping) if rows is None else rows
         idx = (self.group_start[layer][pages] // 2)[..., None] + rel  # [T, H, 2, D]
         vals = torch.stack([k, v], dim=2).to(torch.bfloat16).view(torch.int16)  # [T, H, 2, D]
@@ -275,7 +287,7 @@ class ZipPagedKV:
         them on the host while the device runs that step: the host placement (tens of ms per 65 pages at the 8B
         shape) then overlaps device work instead of adding to the step. Until then the pages stay raw and readable;
         one released (or released and allocated again) meanwhile is skipped."""
-        pending = {p: g for job in self._pending for p, g in zip(job.pids, job.generations.tolist())}
+        pending = {p: g for job in self._pending for p, g in zip(job.pids[job.done:], job.generations[job.done:].tolist())}
         pids = [p for p in pids if self.state[p] == RAW and pending.get(p) != self._generation[p]]
         if not pids:
             return
@@ -295,15 +307,31 @@ class ZipPagedKV:
             cls = ncomp
         self._pending.append(_PendingCompression(pids, self._generation[pids].copy(), src, desc, cls, event))
 
-    def compress_finish(self) -> None:
-        """Second half of :meth:`compress`: place every begun compression, pack it, switch the tables over."""
-        pending, self._pending = self._pending, []
-        for job in pending:
+    @property
+    def pages_pending(self) -> int:
+        """Pages begun (:meth:`compress_begin`) and not finished yet."""
+        return sum(len(job.pids) - job.done for job in self._pending)
+
+    def compress_finish(self, max_pages: int | None = None) -> None:
+        """Second half of :meth:`compress`: place begun compressions, pack them, switch the tables over; oldest
+        first, at most ``max_pages`` pages (None: all). Why a limit: in a batch decoding in lockstep every sequence
+        fills a page in the same step, and placing all of them (~15 ms of host time for 66 pages at the 8B shape)
+        in one step makes that step host-bound under async scheduling; a few pages per step hide behind the device.
+        Pages not yet finished stay raw and readable, as between the two halves."""
+        budget = math.inf if max_pages is None else max_pages
+        while self._pending and budget > 0:
+            job = self._pending[0]
             if job.event is not None:
                 with record_function("kvtide.zip_compress_wait"):
                     job.event.synchronize()  # normally long done: the step that began it has synced since
-            live = [i for i, p in enumerate(job.pids)
-                    if self.state[p] == RAW and self._generation[p] == job.generations[i]]
+            a = job.done
+            b = len(job.pids) if budget >= len(job.pids) - a else a + int(budget)
+            job.done = b
+            if b == len(job.pids):
+                self._pending.pop(0)
+            live = [i for i in range(a, b) if self.state[job.pids[i]] == RAW
+                    and self._generation[job.pids[i]] == job.generations[i]]
+            budget -= len(live)
             if not live:
                 continue
             src, desc, cls = job.src, job.desc, job.classes.numpy()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.paged_attention_ref import write_kv
+from ..kernels.h2d import to_device
+from ..kernels.kv_write import write_paged
 from .attention import AttentionBackend, BatchLayout
 
 WORKSPACE_BYTES = 256 << 20
@@ -43,6 +44,7 @@ class FlashInferAttention(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD")
         self.wrapper = None
+        self._planned: torch.cuda.Event | None = None  # recorded after the latest plan's copies were enqueued
         self.build_kernels()
 
     def build_kernels(self) -> None:
@@ -61,11 +63,15 @@ class FlashInferAttention(AttentionBackend):
         dev = self.kv_caches[0].device
         i32 = dict(dtype=torch.int32)
         kv_indptr, kv_indices, kv_last = layout.page_table()
-        # Deliberately synchronous (a pageable copy waits for the device): FlashInfer's plan writes its host-side
-        # plan into one pinned buffer and copies it to the device asynchronously, so a second plan made while the
-        # device is still behind (a restoration re-plans between layers) would overwrite the first one's bytes
-        # before their copy ran. Measured on the H200 with a pinned, non-blocking copy here: illegal memory access.
-        kv_indices = kv_indices.to(dev)
+        # FlashInfer's plan writes its host-side plan into one pinned buffer and copies it to the device
+        # asynchronously, so a second plan made while the device is still behind (a restoration re-plans between
+        # layers; async scheduling plans step N+1 while step N runs) would overwrite the first one's bytes before
+        # their copy ran (measured on the H200: illegal memory access). So the next plan waits for the event
+        # recorded after the last one, i.e. until that copy has run, which under async scheduling is long done
+        # (it precedes the step the host has just waited for). The page ids themselves go without a wait.
+        if self._planned is not None:
+            self._planned.synchronize()
+        kv_indices = to_device(kv_indices, dev)
         dtype = self.kv_caches[0].dtype
         self.slot_mapping = layout.slot_mapping
         if layout.is_decode_only:
@@ -80,8 +86,11 @@ class FlashInferAttention(AttentionBackend):
                               self.num_kv_heads, self.head_dim, p, causal=True, q_data_type=dtype,
                               kv_data_type=dtype, sm_scale=self.scale)
             self.wrapper = self.prefill
+        if dev.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.kv_caches[layer]
-        write_kv(cache, k, v, self.slot_mapping)
+        write_paged(cache, k, v, self.slot_mapping)  # one launch (reference: paged_attention_ref.write_kv)
         return self.wrapper.run(q.to(cache.dtype), cache).to(q.dtype)

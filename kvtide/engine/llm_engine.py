@@ -12,11 +12,11 @@ from ..cache.zip_pages import ZipGeometry, ZipPagedKV
 from ..config import EngineConfig
 from ..models.loader import load_model
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepHandle
 from .restoration import make_restorer
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .sequence import PENDING, Sequence, Status
 
 
 @dataclass
@@ -70,7 +70,8 @@ class LLMEngine:
         num_pages = cache.num_pages or budget // page_bytes
         self.store = self._make_store(num_pages * page_bytes, device) if cache.compress else None
         self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend,
-                                  store=self.store, cuda_graphs=config.cuda_graphs)
+                                  store=self.store, cuda_graphs=config.cuda_graphs,
+                                  compress_spread_steps=cache.compress_spread_steps)
         self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, store=self.store)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         # A sequence may never outgrow the whole cache, or it would preempt itself forever.
@@ -81,6 +82,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
         self.restorer = make_restorer(self)  # CacheFlow restoration from a KV store (config.restore)
+        self.async_scheduling = config.async_scheduling_on
+        self._pending: StepHandle | None = None  # launched, tokens not read yet (async scheduling)
 
     def _kv_budget(self, device: torch.device) -> int:
         cache = self.config.cache
@@ -165,55 +168,99 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns an output for every request that made visible progress."""
+        """One scheduling step; returns an output for every request that made visible progress.
+
+        With async scheduling (``EngineConfig.async_scheduling``) the step scheduled here is launched before the
+        previous one's tokens are read: the host schedules and plans step N+1 while the device runs step N, and the
+        outputs returned are step N's. A sequence that stops (EOS, stop string) in step N has already been launched
+        in step N+1; that token is dropped, and its pages are released."""
         restored = self.restorer.step() if self.restorer is not None else []
         with record_function("kvtide.schedule"):
             plan = self.scheduler.schedule()
-        if not plan.batch:
+        prev, self._pending = self._pending, None
+        if not plan.batch and prev is None:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
             return restored
+        outputs: list[RequestOutput] = []
         t0 = time.perf_counter()
-        tokens = self.runner.execute(plan.batch, [s.generator for s, _ in plan.batch])
-        dt = time.perf_counter() - t0
-        if self.restorer is not None:
-            self.restorer.observe_step(plan.batch, dt)
-        n_prefill = sum(n for s, n in plan.batch if n > 1 or s.num_computed_tokens < s.num_prompt_tokens)
-        n_decode = plan.num_tokens - n_prefill
-        self.stats.steps += 1
-        self.stats.last_step = (n_prefill, n_decode, dt)
-        self.stats.step_seconds += dt
-        self.stats.prefill_tokens += n_prefill
-        self.stats.decode_tokens += n_decode
-        if n_prefill:
-            self.stats.prefill_seconds += dt
-        else:
-            self.stats.decode_seconds += dt
-        outputs = []
-        it = iter(tokens)
-        now = time.perf_counter()
-        with record_function("kvtide.postprocess"):
-            for seq, n in plan.batch:
-                seq.num_computed_tokens += n
-                self.block_manager.commit(seq)
-                if seq.num_computed_tokens < seq.num_tokens:
-                    continue  # a prefill chunk that does not reach the end samples nothing
-                out = self._append_token(seq, next(it), now)
-                if out is not None:
-                    outputs.append(out)
-        if self.store is not None and not self.scheduler.has_work():
+        if plan.batch:
+            handle = self.runner.launch(plan.batch, [s.generator for s, _ in plan.batch], prev)
+            n_prefill = sum(n for s, n in plan.batch if n > 1 or s.num_computed_tokens < s.num_prompt_tokens)
+            self._advance(plan.batch, handle)
+            self._pending = handle
+        if prev is not None:
+            outputs += self._finish(prev)
+        if self._pending is not None and not self.async_scheduling:
+            outputs += self._finish(self._pending)
+            self._pending = None
+        if plan.batch:
+            dt = time.perf_counter() - t0
+            if self.restorer is not None:
+                self.restorer.observe_step(plan.batch, dt)
+            n_decode = plan.num_tokens - n_prefill
+            self.stats.steps += 1
+            self.stats.last_step = (n_prefill, n_decode, dt)
+            self.stats.step_seconds += dt
+            self.stats.prefill_tokens += n_prefill
+            self.stats.decode_tokens += n_decode
+            if n_prefill:
+                self.stats.prefill_seconds += dt
+            else:
+                self.stats.decode_seconds += dt
+        if self.store is not None and self._pending is None and not self.scheduler.has_work():
             self.store.compress_finish()  # idle: no next step to overlap the last filled pages' placement with
         return restored + outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
+    def _advance(self, batch: list[tuple[Sequence, int]], handle: StepHandle) -> None:
+        """Book a launched step: its tokens are computed, and each sampling sequence that will go on gets a
+        ``PENDING`` token, so that the next schedule already gives it its next decode step."""
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        handle.slots = []
+        for seq in handle.seqs:
+            slot = len(seq.output_token_ids)  # where this step's token goes
+            handle.slots.append(slot)
+            p = seq.params
+            if slot + 1 < p.max_tokens and seq.num_prompt_tokens + slot + 1 < self.max_seq_len:
+                seq.output_token_ids.append(PENDING)
+        handle.batch = batch
+
+    def _finish(self, handle: StepHandle) -> list[RequestOutput]:
+        """Read a launched step's tokens and turn them into outputs; sequences finished meanwhile are skipped."""
+        tokens = handle.result()
+        now = time.perf_counter()
+        live = []
+        for seq, slot, token in zip(handle.seqs, handle.slots, tokens):
+            if seq.finished:  # stopped or aborted while this step ran
+                continue
+            out = seq.output_token_ids
+            if slot < len(out):
+                assert out[slot] == PENDING, "a sampled token would overwrite a known one"
+                out[slot] = token
+            else:
+                out.append(token)
+            live.append((seq, slot, token))
+        with record_function("kvtide.postprocess"):
+            for seq, _ in handle.batch:
+                if not seq.finished:
+                    self.block_manager.commit(seq)
+            outputs = []
+            for seq, slot, token in live:
+                out = self._append_token(seq, slot, token, now)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def _append_token(self, seq: Sequence, slot: int, token: int, now: float) -> RequestOutput | None:
+        """Output ``token`` (already at ``output_token_ids[slot]``): text, stop checks, finish."""
         p = seq.params
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.output_token_ids.append(token)
         old_len = len(seq.text)
         seq.text += seq.detok.step(token)
         reason = None
@@ -226,9 +273,10 @@ class LLMEngine:
             if hit is not None:
                 seq.text = seq.text[:hit]
                 reason = "stop"
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_len):
+        if reason is None and (slot + 1 >= p.max_tokens or seq.num_prompt_tokens + slot + 1 >= self.max_seq_len):
             reason = "length"
         if reason is not None:
+            del seq.output_token_ids[slot + 1:]  # a PENDING token of a step launched after this one
             seq.status = Status.FINISHED
             seq.finish_reason = reason
             seq.finish_time = now
@@ -243,7 +291,7 @@ class LLMEngine:
         seq.emitted_chars = visible
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text if seq.finished else seq.text[:visible], token_ids=list(seq.output_token_ids),
+            text=seq.text if seq.finished else seq.text[:visible], token_ids=seq.output_token_ids[:slot + 1],
             finished=seq.finished, finish_reason=seq.finish_reason, new_text=new_text, new_token_ids=[token],
             num_cached_tokens=seq.num_cached_tokens, ttft=seq.ttft, num_preemptions=seq.num_preemptions,
             latency=(seq.finish_time - seq.arrival) if seq.finish_time is not None else None,

@@ -185,7 +185,7 @@ class Restorer:
         """F(t) from the prefills the engine runs anyway: one sequence, from position 0, t tokens, L blocks."""
         if len(batch) == 1:
             seq, n = batch[0]
-            if seq.num_computed_tokens == 0 and n > 1 and seconds > 0:
+            if seq.num_computed_tokens == n and n > 1 and seconds > 0:  # the engine has booked the step
                 self.profile.observe(n, seconds, blocks=self.num_layers, source="prefill")
                 self.profile.knots()  # refit now, off the next plan's clock
 
@@ -430,7 +430,9 @@ class Restorer:
             seq.num_computed_tokens = seq.num_tokens
             eng.block_manager.commit(seq)
             eng.scheduler.running.append(seq)
-            out = eng._append_token(seq, tok, now)
+            slot = len(seq.output_token_ids)
+            seq.output_token_ids.append(tok)
+            out = eng._append_token(seq, slot, tok, now)
             if out is not None:
                 outputs.append(out)
         return outputs

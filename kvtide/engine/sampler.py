@@ -6,6 +6,11 @@ import torch
 from .sampling_params import SamplingParams
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax per row, left on the logits' device (the next step reads it there; the host copy is the caller's)."""
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits: [S, V] float32 (one row per sequence that samples this step)."""
     out = logits.argmax(dim=-1).tolist()

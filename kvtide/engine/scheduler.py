@@ -4,7 +4,10 @@ Running sequences go first (one token each when decoding, the next chunk when a 
 then waiting ones are admitted while pages, the token budget and the sequence limit allow. A waiting request is
 admitted only if its pages fit with room left for each running sequence to grow by one page; when a running
 sequence cannot grow, the newest running sequence is preempted (its pages released, recomputed later — cheap,
-since its full pages usually stay in the prefix cache).
+since its full pages usually stay in the prefix cache). A running sequence with nothing to compute (async
+scheduling: its final token is being sampled by the step in flight) is skipped. Decoding sequences may take their
+next page a few steps early (``SchedulerConfig.page_lookahead``) so that a batch in lockstep does not allocate all its
+pages in one step.
 """
 from __future__ import annotations
 
@@ -52,14 +55,19 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             grow.append((seq, n))
             budget -= n
-        if self.bm.allocate_all([(seq, seq.num_computed_tokens + n) for seq, n in grow]):
-            plan.batch.extend(grow)
+        need = [(seq, seq.num_computed_tokens + n) for seq, n in grow]
+        early = self._early(need)
+        if (early and self.bm.allocate_all(early)) or self.bm.allocate_all(need):
+            plan.batch.extend((seq, n) for seq, n in grow if n)  # n == 0: its last token is still being sampled
             i = len(grow)
         else:
             budget = self.config.max_num_batched_tokens
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # its last token is being sampled by a launched step (async scheduling): nothing to run
+                i += 1
+                continue
             while not self.bm.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -89,6 +97,22 @@ class Scheduler:
             plan.batch.append((seq, n))
             budget -= n
         return plan
+
+    def _early(self, need: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]] | None:
+        """``need`` with some decoding sequences given their next page ahead of time (SchedulerConfig.page_lookahead),
+        or None when none is due. Only ever tried before the plain allocation, never a cause of preemption."""
+        ahead = self.config.page_lookahead
+        if not ahead:
+            return None
+        cap, p = -(-len(need) // ahead), self.bm.page_size
+        out, taken = [], 0
+        for seq, tokens in need:
+            if taken < cap and tokens - seq.num_computed_tokens == 1 and not self.bm.pages_needed(seq, tokens) \
+                    and self.bm.pages_needed(seq, tokens + ahead):
+                tokens = -(-tokens // p) * p + 1  # exactly one more page
+                taken += 1
+            out.append((seq, tokens))
+        return out if taken else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

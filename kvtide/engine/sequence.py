@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
 
+# In ``Sequence.output_token_ids``: a token its step sampled on the device that has not reached the host yet (the
+# engine's async scheduling launches the next step first). Only ever the last token; never hashed or detokenized.
+PENDING = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

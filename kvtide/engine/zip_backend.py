@@ -39,7 +39,8 @@ class DecompressThenAttend(AttentionBackend):
         dev = self.store.device
         self.pages = torch.tensor(pages, dtype=torch.long, device=dev)
         self.slot_mapping = layout.slot_mapping
-        self.write_rows = self.store.write_rows(layout.slot_mapping)  # once per step, for every layer's write
+        # once per step, for every layer's write (the fused write on a GPU places each value itself)
+        self.write_rows = None if self.store.fused_write else self.store.write_rows(layout.slot_mapping)
         self.scratch = self._scratch(len(pages))
         self.inner.plan(BatchLayout(layout.q_lens, layout.kv_lens, tables,
                                     torch.tensor(slots, dtype=torch.long, device=dev), p))

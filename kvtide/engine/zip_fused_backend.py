@@ -88,7 +88,8 @@ class ZipFusedAttention(AttentionBackend):
         rest = [i for i, n in enumerate(layout.q_lens) if n != 1]
         dev = self.store.device
         self.slot_mapping = layout.slot_mapping
-        self.write_rows = self.store.write_rows(layout.slot_mapping)  # once per step, for every layer's write
+        # once per step, for every layer's write (the fused write on a GPU places each value itself)
+        self.write_rows = None if self.store.fused_write else self.store.write_rows(layout.slot_mapping)
         self.kplan = None
         if dec:
             self.kplan = self.kernel.plan(

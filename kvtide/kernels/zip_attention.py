@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .h2d import to_device
 from .page_table import sequence_lengths
 
 LOG2E = 1.4426950408889634
@@ -538,8 +539,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     pages_per_split = math.ceil(max_pages / num_splits / ppt) * ppt
     num_splits = math.ceil(max_pages / pages_per_split)
     p = DecodePlan(
-        indptr=seqs.indptr.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
-        kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        indptr=to_device(seqs.indptr, dev, torch.int32), indices=to_device(kv_indices, dev, torch.int32),
+        kv_lens=to_device(seqs.kv_lens, dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, block_size=block_size, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, tile=tile, num_warps=num_warps, num_stages=num_stages,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, mode=mode, prefetch=prefetch, trans=trans,

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from . import cuda_jit
+from .h2d import to_device
 from .page_table import sequence_lengths
 
 SOURCE = Path(__file__).with_name("cuda") / "zip_decode.cu"
@@ -283,8 +284,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         if math.ceil(units / (sms * per_sm)) <= math.ceil(units * num_splits / (sms * warps * min_blocks)):
             merge_in_cta, warps, min_blocks = True, num_splits, per_sm
     p = CudaDecodePlan(
-        indptr=seqs.indptr.to(dev, torch.int32), indices=kv_indices.to(dev, torch.int32).contiguous(),
-        kv_lens=seqs.kv_lens.to(dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
+        indptr=to_device(seqs.indptr, dev, torch.int32), indices=to_device(kv_indices, dev, torch.int32),
+        kv_lens=to_device(seqs.kv_lens, dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, load_hint=load_hint, cta_merge=merge_in_cta,

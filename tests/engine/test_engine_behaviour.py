@@ -66,7 +66,8 @@ def test_invalid_engine_config(kwargs, field):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(page_size=12), "page_size"), (dict(num_pages=0), "num_pages"), (dict(kv_dtype="int7"), "dtype"),
-    (dict(num_pages=4, kv_cache_bytes=10), "not both"),
+    (dict(num_pages=4, kv_cache_bytes=10), "not both"), (dict(compress_spread_steps=0), "compress_spread_steps"),
+    (dict(compress_spread_steps=2.5), "compress_spread_steps"),
 ])
 def test_invalid_cache_config(kwargs, field):
     with pytest.raises(ValueError, match=field):

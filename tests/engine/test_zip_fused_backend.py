@@ -46,18 +46,18 @@ def generate_with_gaps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> l
     gaps: dict[str, list[float]] = {}
     eng = llm.engine
 
-    def sample(logits, params, generators):
+    def greedy(logits):
         top = logits.float().topk(2, dim=-1).values
         pending.extend((top[:, 0] - top[:, 1]).tolist())
-        return real_sample(logits, params, generators)
+        return real_greedy(logits)
 
-    def append_token(seq, token, now):
+    def append_token(seq, slot, token, now):
         gaps.setdefault(seq.request_id, []).append(pending.pop(0))
-        return real_append(seq, token, now)
+        return real_append(seq, slot, token, now)
 
-    real_sample, real_append = model_runner.sample, eng._append_token
+    real_greedy, real_append = model_runner.greedy_tokens, eng._append_token
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_runner, "sample", sample)
+        mp.setattr(model_runner, "greedy_tokens", greedy)
         mp.setattr(eng, "_append_token", append_token)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [(o.token_ids, gaps[o.request_id]) for o in outs]
