@@ -256,7 +256,20 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
     page_steps: list[float] = []
     host: list[tuple[bool, dict]] = []
-    times, n = drain(eng, proxy, sync, b, page_steps, skip_first=True, host=host)
+    gc_log: list[tuple[int, float]] = []  # (generation, seconds) of each collection during the timed run
+    t_gc = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            t_gc[0] = time.perf_counter()
+        else:
+            gc_log.append((info["generation"], time.perf_counter() - t_gc[0]))
+
+    gc.callbacks.append(on_gc)
+    try:
+        times, n = drain(eng, proxy, sync, b, page_steps, skip_first=True, host=host)
+    finally:
+        gc.callbacks.remove(on_gc)
     k1 = getattr(eng.runner.attention, "counts", {})
     if not times:
         return {"batch": b, "error": "no step decoded the whole batch", "preemptions": eng.scheduler.num_preemptions - pre0}
@@ -277,6 +290,10 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
         "page_step_median_ms": statistics.median(page_steps) * 1e3 if page_steps else None,
         "plain_step_mean_ms": statistics.mean(plain) * 1e3 if plain else None,
         "tokens_per_s": b * len(times) / sum(times), "preemptions": eng.scheduler.num_preemptions - pre0,
+        "step_ms": [round(t * 1e3, 2) for t in times],
+        "gc": {"collections_by_generation": {g: sum(1 for x, _ in gc_log if x == g) for g in (0, 1, 2)},
+               "ms_by_generation": {g: round(sum(t for x, t in gc_log if x == g) * 1e3, 2) for g in (0, 1, 2)},
+               "longest_ms": round(max((t for _, t in gc_log), default=0.0) * 1e3, 2)},
         **({"kernel_seqs": k1["kernel_seqs"] - k0["kernel_seqs"], "fallback_seqs": k1["fallback_seqs"] - k0["fallback_seqs"]}
            if k1 else {}),
     }
@@ -397,6 +414,9 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
         per_prefix = used / n0
         # Prefix pages at their measured size (one recomputed), decode pages counted raw: conservative.
         largest = int(eng.num_pages // (per_prefix * (prefix_pages - 1) / prefix_pages + (per_seq - prefix_pages + 1)))
+        if a.zip_largest:  # start the probe elsewhere (e.g. above the conservative estimate)
+            out["largest_batch_estimate"] = largest
+            largest = a.zip_largest
         out.update(largest_batch=largest, probe_prefixes=n0, raw_pages_per_compressed_prefix=per_prefix,
                    largest_batch_how="raw capacity // (measured raw-page units of a compressed prefix + decode "
                                      "pages counted raw), lowered until the whole batch decodes every step",
@@ -510,6 +530,9 @@ def main() -> None:
                     help="CacheConfig.compress_spread_steps (1: place a page step's pages all in the next step)")
     ap.add_argument("--page-lookahead", type=int, default=SchedulerConfig.page_lookahead,
                     help="SchedulerConfig.page_lookahead (0: every page taken in the step that needs it)")
+    ap.add_argument("--zip-largest", type=int, default=None,
+                    help="zip's largest batch to try first (default: the estimate from its compressed prefixes); "
+                         "lowered while it does not run whole")
     ap.add_argument("--other-mode", action="store_true",
                     help="also time each batch with async scheduling the other way, on the same engine "
                          "(runs '<batch>_sync' or '<batch>_async')")
