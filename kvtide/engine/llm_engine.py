@@ -221,7 +221,6 @@ class LLMEngine:
         ``PENDING`` token, so that the next schedule already gives it its next decode step."""
         for seq, n in batch:
             seq.num_computed_tokens += n
-        handle.slots = []
         for seq in handle.seqs:
             slot = len(seq.output_token_ids)  # where this step's token goes
             handle.slots.append(slot)

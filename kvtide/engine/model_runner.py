@@ -1,7 +1,7 @@
 """Owns the model and the paged KV tensors; turns one scheduled step into a forward pass and sampled tokens."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -28,6 +28,10 @@ class StepHandle:
     host: torch.Tensor | None = None  # pinned copy in flight (CUDA), ready once ``event`` has run
     event: torch.cuda.Event | None = None
     tokens: list[int] | None = None  # already on the host (sampled there, or read)
+    # booked by the engine when it launches the step: where each sampled token goes in its sequence's outputs,
+    # and the step's (sequence, tokens) chunks
+    slots: list[int] = field(default_factory=list)
+    batch: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rows = {id(s): i for i, s in enumerate(self.seqs)}
