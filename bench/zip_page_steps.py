@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import hashlib
 import importlib.util
@@ -189,8 +190,11 @@ class FakeEngine:
         budget = int((int(a.budget_seqs * per_seq) + 8) * self.geo.raw_page_bytes * a.budget_scale)
         self.store = ZipPagedKV(self.geo, budget, "cpu")
         self.bm = BlockManager(0, PAGE, True, store=self.store)
+        extra = {}  # trees from before SchedulerConfig.page_lookahead lack the field
+        if a.page_lookahead is not None and "page_lookahead" in {f.name for f in dataclasses.fields(SchedulerConfig)}:
+            extra["page_lookahead"] = a.page_lookahead
         cfg = SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
-                              max_model_len=a.context + a.steps + PAGE)
+                              max_model_len=a.context + a.steps + PAGE, **extra)
         self.sched = Scheduler(cfg, self.bm)
         self.writer = KVWriter(a.kv_heads, a.head_dim, self.geo.block_size // a.head_dim, (a.p_raw_k, a.p_raw_v),
                                a.p_raw_decode)
@@ -406,21 +410,27 @@ class GcClock:
 def decode(eng: FakeEngine, b: int, context: int, profile: list | None = None) -> dict:
     """timed()'s second half: the b prefixes decode steps + 2 tokens; host times per kind of step."""
     t0 = time.perf_counter()
+    pre0 = eng.sched.num_preemptions
     for i in range(b):
         eng.add(prompt(i, context), eng.decode_steps + 2)
     host: list[tuple[str, dict]] = []
     with GcClock() as gcc:
         eng.drain(b, host, profile)
-    out = {"batch": b, "seconds": time.perf_counter() - t0, **summarise(host), "gc": gcc.summary()}
+    out = {"batch": b, "seconds": time.perf_counter() - t0, **summarise(host), "gc": gcc.summary(),
+           "preemptions": eng.sched.num_preemptions - pre0}
+    print(f"batch {b}: {out['preemptions']} preemptions", flush=True)
     print(f"garbage collector during the decode: {gcc.summary()}", flush=True)
     if profile:
         out["profile"] = split_profile(profile)
     pg = out.get("page", {})
+    begin = out.get("begin", {}).get("compress_begin_ms", {}).get("median", float("nan"))
+    plain = out.get("plain", {}).get("schedule_ms", {}).get("median", float("nan"))
+    # (with SchedulerConfig.page_lookahead, pages are taken in earlier steps than the ones that stage filled pages,
+    # so every kind may not occur)
     print(f"batch {b}: {pg.get('steps', 0)} page steps: schedule median {pg['schedule_ms']['median']:.2f} ms (mean "
           f"{pg['schedule_ms']['mean']:.2f}), compress median {pg['compress_ms']['median']:.2f} ms (mean "
-          f"{pg['compress_ms']['mean']:.2f}); begin steps' compress_begin median "
-          f"{out['begin']['compress_begin_ms']['median']:.2f} ms; plain steps' schedule "
-          f"{out['plain']['schedule_ms']['median']:.3f} ms" if pg else f"batch {b}: no page step", flush=True)
+          f"{pg['compress_ms']['mean']:.2f}); begin steps' compress_begin median {begin:.2f} ms; plain steps' "
+          f"schedule {plain:.3f} ms" if pg else f"batch {b}: no page step", flush=True)
     return out
 
 
@@ -605,6 +615,9 @@ def main() -> None:
     ap.add_argument("--budget-seqs", type=float, default=52.0)
     ap.add_argument("--budget-scale", type=float, default=1.0, help="shrink the budget (quick looks only)")
     ap.add_argument("--step-tokens", type=int, default=16384)
+    ap.add_argument("--page-lookahead", type=int, default=None,
+                    help="SchedulerConfig.page_lookahead (default: the tree's; 0 takes every page in the step that "
+                         "needs it, as the engine did before the option)")
     ap.add_argument("--p-raw-k", type=float, default=0.21, help="share of K blocks made incompressible")
     ap.add_argument("--p-raw-v", type=float, default=0.07, help="share of V blocks made incompressible")
     ap.add_argument("--p-raw-decode", type=float, default=0.05,
