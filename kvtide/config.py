@@ -93,9 +93,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context window
-    # a decoding sequence may take its next page up to this many steps before it needs it, at most
-    # ceil(running / page_lookahead) sequences a step: a batch in lockstep then spreads the page allocations (and
-    # the compressed pool's evictions) that it would otherwise all make in one step over the steps before. 0: off
+    # compressed pool: a decoding sequence may take its next page up to this many steps before it needs it, at most
+    # ceil(running / page_lookahead) sequences a step and only from free room (never evicting a cached page): a
+    # batch in lockstep then spreads the page allocations it would otherwise all make in one step. 0: off
     page_lookahead: int = 8
 
     def __post_init__(self) -> None:

@@ -100,9 +100,11 @@ class Scheduler:
 
     def _early(self, need: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]] | None:
         """``need`` with some decoding sequences given their next page ahead of time (SchedulerConfig.page_lookahead),
-        or None when none is due. Only ever tried before the plain allocation, never a cause of preemption."""
+        or None when none is due. Compressed pool only (a page of the fixed cache costs nothing to take), and only
+        from free room: early pages never evict a cached page and never cause a preemption (the plain allocation
+        is tried when these do not fit)."""
         ahead = self.config.page_lookahead
-        if not ahead:
+        if not ahead or self.bm.store is None:
             return None
         cap, p = -(-len(need) // ahead), self.bm.page_size
         out, taken = [], 0
@@ -112,7 +114,9 @@ class Scheduler:
                 tokens = -(-tokens // p) * p + 1  # exactly one more page
                 taken += 1
             out.append((seq, tokens))
-        return out if taken else None
+        if not taken or self.bm.store.free_pages(reserve=False) < sum(self.bm.pages_needed(s, t) for s, t in out):
+            return None
+        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

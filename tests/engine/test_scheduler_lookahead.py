@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtide import SamplingParams, SchedulerConfig
+from kvtide.cache.zip_pages import ZipGeometry, ZipPagedKV
 from kvtide.engine.block_manager import BlockManager
 from kvtide.engine.scheduler import Scheduler
 from kvtide.engine.sequence import Sequence
@@ -12,12 +13,25 @@ from kvtide.engine.sequence import Sequence
 PAGE = 16
 
 
-def lockstep(n_seqs: int, lookahead: int, num_pages: int, steps: int = 40) -> tuple[list[int], Scheduler]:
-    """Pages allocated by each decode step of `n_seqs` sequences with 20-token prompts (no model: each step's
-    tokens are booked as the engine books them)."""
-    bm = BlockManager(num_pages, PAGE, enable_prefix_caching=False)
+GEO = ZipGeometry(num_layers=1, num_kv_heads=1, head_dim=8, page_size=PAGE, block_size=32)
+
+
+def lockstep(n_seqs: int, lookahead: int, num_pages: int, steps: int = 40, cached: int = 0) -> tuple[list[int], Scheduler]:
+    """Pages allocated by each decode step of `n_seqs` sequences with 20-token prompts over a compressed pool of
+    `num_pages` raw pages (no model: each step's tokens are booked as the engine books them); `cached`: that many
+    of the pool's pages first held by a finished request's cached prefix."""
+    store = ZipPagedKV(GEO, budget_bytes=num_pages * GEO.raw_page_bytes)
+    bm = BlockManager(0, PAGE, enable_prefix_caching=True, store=store)
     sch = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096, page_lookahead=lookahead), bm)
     seqs = [Sequence(f"r{i}", None, [i + 1] * 20, SamplingParams(temperature=0, max_tokens=1000)) for i in range(n_seqs)]
+    if cached:
+        old = Sequence("old", None, list(range(1, cached * PAGE + 2)), SamplingParams(temperature=0, max_tokens=1))
+        sch.add(old)
+        sch.schedule()
+        old.num_computed_tokens = old.num_tokens
+        bm.commit(old)
+        sch.finish(old)
+        assert len(bm.free) == cached
     for s in seqs:
         sch.add(s)
     per_step = []
@@ -42,13 +56,26 @@ def test_lockstep_allocations_are_spread_over_the_lookahead(n_seqs):
     assert sch.num_preemptions == 0
 
 
-def test_lookahead_never_preempts_when_the_plain_allocation_fits():
-    """A cache with room for exactly the pages the batch needs: early pages do not fit, the plain ones do."""
+def test_early_pages_only_from_free_room():
+    """A full pool with a cached prefix in it: early pages would have to evict cached pages, so they are not taken
+    early; the run evicts and preempts no more than without lookahead."""
     n = 6
-    # 28 steps: 20 + 27 tokens, 3 pages each; from token 41 on the 4th page is due early but does not fit
-    _, sch = lockstep(n, 8, num_pages=3 * n, steps=28)
-    assert sch.num_preemptions == 0
-    assert [len(s.pages) for s in sch.running] == [3] * n
+    runs = {ahead: lockstep(n, ahead, num_pages=3 * n + 6, steps=28, cached=4)[1] for ahead in (0, 8)}
+    assert runs[8].bm.stats["evictions"] <= runs[0].bm.stats["evictions"]
+    assert runs[8].num_preemptions <= runs[0].num_preemptions
+    assert len(runs[8].running) == len(runs[0].running)
+
+
+def test_fixed_cache_takes_no_page_early():
+    bm = BlockManager(64, PAGE, enable_prefix_caching=False)
+    sch = Scheduler(SchedulerConfig(page_lookahead=8), bm)
+    seq = Sequence("r", None, [1] * 12, SamplingParams(temperature=0, max_tokens=100))
+    sch.add(seq)
+    sch.schedule()
+    seq.num_computed_tokens = 12
+    seq.output_token_ids.append(7)
+    sch.schedule()
+    assert len(seq.pages) == 1
 
 
 def test_config_validation():
