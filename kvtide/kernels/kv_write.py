@@ -10,9 +10,8 @@ One program per (token, kv_head): it loads the head_dim row of k and of v, conve
 the way torch's ``.to(dtype)`` does on the same device (bit for bit, NaN included: see :func:`_bits`) and stores
 it. The wrappers check shapes and dtypes on the host only: a launch never syncs with the device (it runs once
 per layer per step, possibly inside a CUDA graph). Slots are not checked (that would read them back): each must
-be a valid page * page_size + offset. Measured on an H200 (8 KV heads x 128, bf16, 32 layers' writes replayed in a
-CUDA graph, 1..256 tokens): dense 0.32-0.42 ms -> 0.03-0.07 ms, pool 0.27-0.47 ms -> 0.04-0.16 ms ("mma" order's
-scattered stores the slowest). Kernels are built on first use, so setting ``TRITON_INTERPRET=1`` any
+be a valid page * page_size + offset. Its effect on the engine's step time is in bench/zip_engine.py's H200 results
+(bench/results/HISTORY.md, twentieth session). Kernels are built on first use, so setting ``TRITON_INTERPRET=1`` any
 time before the first call runs them in the interpreter (CPU tensors).
 """
 
