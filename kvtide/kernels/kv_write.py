@@ -18,12 +18,13 @@ time before the first call runs them in the interpreter (CPU tensors).
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
+
+from .interpret import triton_interpret
 
 CACHE_DTYPES = (torch.bfloat16, torch.float16)
 CUDA_BF16_NAN = 0x7FFF  # cvt.rn.bf16.f32 (torch's float -> bfloat16 on sm80+) gives the canonical NaN
@@ -111,7 +112,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def _get_kernels(device: torch.device) -> SimpleNamespace:
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = triton_interpret()
     if device.type != "cuda" and not interpret:
         raise RuntimeError("Triton KV-write kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return _kernels(interpret)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -54,6 +53,7 @@ import triton
 import triton.language as tl
 
 from .h2d import to_device
+from .interpret import triton_interpret
 from .page_table import sequence_lengths
 
 LOG2E = 1.4426950408889634
@@ -435,10 +435,6 @@ class DecodePlan:
         return self.num_qo_heads // self.num_kv_heads
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 _HELPERS = ("_zip_meta", "_row_desc", "_zip_load", "_zip_build", "_raw_tile")  # called from kernels: the module globals must be jitted first
 _PY = {name: globals()[name] for name in (*_HELPERS, "_decode_kernel", "_merge_kernel", "_decompress_kernel")}
 
@@ -453,7 +449,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def _k() -> SimpleNamespace:
-    return _kernels(_interpret())
+    return _kernels(triton_interpret())
 
 
 @functools.cache
@@ -556,7 +552,7 @@ def _check_q(p: DecodePlan, q: torch.Tensor) -> None:
     if q.shape != (p.batch, p.num_qo_heads, p.head_dim) or q.dtype != torch.bfloat16 or not q.is_contiguous():
         raise ValueError(f"q must be contiguous bf16 [{p.batch}, {p.num_qo_heads}, {p.head_dim}], got "
                          f"{q.dtype} {tuple(q.shape)}")
-    if q.device.type != "cuda" and not _interpret():
+    if q.device.type != "cuda" and not triton_interpret():
         raise RuntimeError("Triton attention needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
 
 
@@ -573,9 +569,9 @@ def _launch(p: DecodePlan, q: torch.Tensor, out: torch.Tensor | None, zip_: bool
         H_KV=p.num_kv_heads, G=g, GP=max(8 if p.trans else 16, triton.next_power_of_2(g)), D=p.head_dim,
         PS=p.page_size,
         TILE=p.tile, BLOCK=p.block_size, ZIP=zip_, VERSION=p.version, SPLIT=split,
-        F32_DOT=_interpret(), MODE=p.mode, PREFETCH=p.prefetch, TRANS=p.trans,
+        F32_DOT=triton_interpret(), MODE=p.mode, PREFETCH=p.prefetch, TRANS=p.trans,
         LATE_V=zip_ and p.late_v and not p.prefetch, PIPE=zip_ and p.pipe, num_warps=p.num_warps, num_stages=p.num_stages,
-        **({"maxnreg": p.maxnreg} if p.maxnreg and not _interpret() else {}),
+        **({"maxnreg": p.maxnreg} if p.maxnreg and not triton_interpret() else {}),
     )
     if split:
         _k().merge[(p.batch, p.num_qo_heads)](

@@ -10,7 +10,6 @@ before the first call runs them in the interpreter (CPU tensors).
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
@@ -19,6 +18,8 @@ import triton.language as tl
 
 from kvtide.cache import zipblocks as zb
 from kvtide.cache import zipformat as zf
+
+from .interpret import triton_interpret
 
 reference = zf.encode_groups  # the torch reference these kernels must match byte for byte
 
@@ -81,7 +82,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def _get_kernels(device: torch.device) -> SimpleNamespace:
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = triton_interpret()
     if device.type != "cuda" and not interpret:
         raise RuntimeError("Triton zip kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return _kernels(interpret)

@@ -10,13 +10,14 @@ use, so ``TRITON_INTERPRET=1`` set before the first call runs it in the interpre
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kvtide.cache import zipblocks as zb
+
+from .interpret import triton_interpret
 
 reference = zb.unpack  # the torch reference this kernel must match bit for bit
 
@@ -52,7 +53,7 @@ def _kernel(interpret: bool):
 
 def triton_usable(device: torch.device) -> bool:
     """Whether the kernel can run on ``device`` here (CUDA, or any device under the Triton interpreter)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return device.type == "cuda" or triton_interpret()
 
 
 def unpack(data: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, block_size: int = 512,
