@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import sys
@@ -49,6 +50,21 @@ class Variant:
     @property
     def version(self) -> int | None:
         return self.overrides.get("VERSION")
+
+
+def launch_scalar_split(p: zc.CudaDecodePlan, k: dict, q: torch.Tensor, pool: torch.Tensor, starts: torch.Tensor,
+                        desc: torch.Tensor, out: torch.Tensor) -> None:
+    """zc.launch for sources from before the kernel read pages per split from device memory (it was a launch
+    argument; variant key ``SCALAR_SPLIT=1``, e.g. ``old@zip_decode_64f6991.cu:SCALAR_SPLIT=1``)."""
+    split = p.num_splits > 1 and not p.cta_merge
+    grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
+    k["zip_decode"].launch(grid, 32 * p.warps, [
+        q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool, starts,
+        desc, float(p.sm_scale * zc.LOG2E), p.pages_per_split, p.num_splits, p.num_kv_heads, p.group, p.batch],
+        smem=zc.smem_bytes(p.head_dim, p.warps, p.stage))
+    if split:
+        k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
+            p.opart, p.lse, out, p.kv_lens, p.pages_per_split * 16, p.num_splits, p.num_qo_heads])
 
 
 def parse_variant(text: str) -> Variant:
@@ -146,7 +162,8 @@ def main() -> None:
                 k = built[key]
                 cp, cs, cd = pools[ver]
                 out = torch.full_like(q, float("nan"))
-                zc.launch(p, k, q, cp, cs, cd, out)
+                go = launch_scalar_split if v.overrides.get("SCALAR_SPLIT") else zc.launch
+                go(p, k, q, cp, cs, cd, out)
                 torch.cuda.synchronize()
                 err = float((out[:nref].double() - ref).norm() / ref.norm())
                 written = not bool(out.isnan().any())
@@ -165,7 +182,7 @@ def main() -> None:
                     print(f"ctx {ctx} B {b} {v.name}: WRONG (rel err {err:.2e}, all written {written}); not timed",
                           flush=True)
                     continue
-                fns[v.name] = (lambda p=p, k=k, cp=cp, cs=cs, cd=cd, out=out: zc.launch(p, k, q, cp, cs, cd, out))
+                fns[v.name] = (lambda p=p, k=k, cp=cp, cs=cs, cd=cd, out=out, go=go: go(p, k, q, cp, cs, cd, out))
             rounds = {"flashinfer": [], **{n: [] for n in fns}}
             names = list(fns)
             for r in range(args.rounds if names else 0):  # nothing to time when no variant passed its check

@@ -20,3 +20,13 @@ def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | 
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device).contiguous()
     return t.contiguous().pin_memory().to(device, non_blocking=True)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy ``src`` into the existing ``dst`` (same numel; a fixed buffer a captured CUDA graph reads), through pinned
+    memory and non-blocking when a CPU source goes to CUDA. Returns ``dst``."""
+    src = src.reshape(dst.shape).to(dst.dtype)
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        src = src.contiguous().pin_memory()
+        return dst.copy_(src, non_blocking=True)
+    return dst.copy_(src)

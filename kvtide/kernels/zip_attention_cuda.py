@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from . import cuda_jit
-from .h2d import to_device
+from .h2d import copy_into, to_device
 from .page_table import sequence_lengths
 
 SOURCE = Path(__file__).with_name("cuda") / "zip_decode.cu"
@@ -58,6 +58,7 @@ SPLIT_START_PAGES = 4  # a split's fixed cost (Q and metadata loads, first page'
 _DEFAULTS = {128: dict(launches={0: [(4, 3)], 1: [(4, 3), (4, 4)], 2: [(4, 3), (4, 4)]}, waves=None, stage=1),
              64: dict(launches={0: [(4, 4)], 1: [(4, 4)], 2: [(4, 4)]}, waves=None, stage=0)}
 SHAPE_MARGIN = 0.85  # a later launch shape is taken only when the wave model rates it at most this x the first
+SPLITS_HINT_MARGIN = 1.10  # plan(splits_hint=): kept while the wave model rates it at most this x its own choice
 STAGES = {0: "K and V in registers", 1: "V staged in shared memory (cp.async)", 2: "K and V staged in shared memory"}
 
 
@@ -189,13 +190,47 @@ def max_cta_splits(head_dim: int, stage: int = 0) -> int:
     return min(16, (227 << 10) // smem_bytes(head_dim, 1, stage))
 
 
+class PlanBuffers:
+    """Fixed device buffers that one batch size's plans are written into (``plan(buffers=...)``), so that a CUDA
+    graph captured over :func:`run` replays every later plan with the same :func:`graph_key`: the graph holds these
+    addresses, and everything that changes from step to step (page table, lengths, pages per split) is read from
+    them by the kernel. The page-id buffer grows geometrically; growing it moves it, which changes the key."""
+
+    def __init__(self, batch: int, device: torch.device | str):
+        self.batch = batch
+        self.device = torch.device(device)
+        self.indptr = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
+        self.meta = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)  # kv lens, then pages per split
+        self.indices = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self.generation = 0  # bumped whenever a buffer a graph may hold is replaced
+        self._parts: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def page_ids(self, nnz: int) -> torch.Tensor:
+        """The page-id buffer, at least ``nnz`` long."""
+        if self.indices.numel() < nnz:
+            self.indices = torch.zeros(1 << max(10, math.ceil(math.log2(nnz * 1.25))), dtype=torch.int32,
+                                       device=self.device)
+            self.generation += 1
+        return self.indices
+
+    def parts(self, num_qo_heads: int, splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split partials (outputs, base-2 log-sum-exps) for the zip_merge launch, one pair per shape."""
+        key = (num_qo_heads, splits, head_dim)
+        if key not in self._parts:
+            self._parts[key] = (
+                torch.empty(self.batch, num_qo_heads, splits, head_dim, dtype=torch.float32, device=self.device),
+                torch.empty(self.batch, num_qo_heads, splits, dtype=torch.float32, device=self.device))
+        return self._parts[key]
+
+
 @dataclass
 class CudaDecodePlan:
     """What every layer of one decode batch shares: page table, lengths, splits, launch shape, split buffers."""
 
     indptr: torch.Tensor  # int32 [B + 1]
-    indices: torch.Tensor  # int32 [nnz pages]
+    indices: torch.Tensor  # int32 [>= nnz pages]
     kv_lens: torch.Tensor  # int32 [B]
+    split_pages: torch.Tensor  # int32 [1], pages_per_split on the device (the kernel reads it there)
     batch: int
     num_qo_heads: int
     num_kv_heads: int
@@ -212,16 +247,28 @@ class CudaDecodePlan:
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
 
+    buffers: PlanBuffers | None = field(default=None, repr=False)  # where the device arrays live, if fixed
+
     @property
     def group(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
+
+
+def graph_key(p: CudaDecodePlan) -> tuple | None:
+    """What a CUDA graph captured over :func:`run` with plan ``p`` bakes in (None: ``p`` has no fixed buffers, so it
+    cannot be replayed): a later plan with the same key replays that graph. Pages per split is not part of it."""
+    if p.buffers is None:
+        return None
+    return (p.batch, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.version, p.num_splits, p.warps, p.min_blocks,
+            p.load_hint, p.stage, p.cta_merge, float(p.sm_scale), id(p.buffers), p.buffers.generation)
 
 
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
          num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
          sm_scale: float | None = None, num_splits: int | None = None, warps: int | None = None,
          min_blocks: int | None = None, waves: float | None = None, load_hint: int = 0,
-         cta_merge: bool = True, stage: int | None = None, device: torch.device | str | None = None) -> CudaDecodePlan:
+         cta_merge: bool = True, stage: int | None = None, device: torch.device | str | None = None,
+         buffers: PlanBuffers | None = None, splits_hint: int | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
@@ -231,7 +278,11 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     :func:`max_cta_splits` parts and CTAs of that many warps need no more waves than the requested shape, launch
     those instead and merge on chip (the plan's ``warps``/``min_blocks`` are then the CTA's). ``load_hint``: cache
     hints on the KV loads (:data:`LOAD_HINTS`; measured no faster on the H200, so 0). ``stage``: where the next
-    page's groups wait (:data:`STAGES`; None: the head_dim's default)."""
+    page's groups wait (:data:`STAGES`; None: the head_dim's default). ``buffers``: write the device arrays into
+    these fixed buffers (same batch size) instead of new tensors, for replay in a captured graph (:func:`graph_key`).
+    ``splits_hint``: a split count to keep (a captured graph's) where the wave model rates it within
+    :data:`SPLITS_HINT_MARGIN` of its own choice; small batches' best count moves with every few pages of context,
+    and each move would cost a graph capture."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
                          f"(need 1..{MAX_GROUP})")
@@ -259,6 +310,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     seqs = sequence_lengths(kv_indptr, kv_last_page_len, page_size)
     batch, max_pages = seqs.batch, seqs.max_pages
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    hinted = None
     if num_splits is None:
         if waves is None:  # the first launch shape, or a later one the wave model rates SHAPE_MARGIN faster
             units = batch * num_kv_heads
@@ -272,9 +324,15 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         else:
             want = math.ceil(sms * warps * min_blocks * waves / max(1, batch * num_kv_heads))
             num_splits = max(1, min(want, math.ceil(max_pages / 8)))
+        if splits_hint is not None and 1 <= splits_hint <= max_pages:
+            units, resident = batch * num_kv_heads, sms * warps * min_blocks
+            if split_cost(units, max_pages, resident, splits_hint) <= \
+                    SPLITS_HINT_MARGIN * split_cost(units, max_pages, resident, num_splits):
+                num_splits = hinted = splits_hint
     num_splits = max(1, min(num_splits, max_pages))
     pages_per_split = math.ceil(max_pages / num_splits)
-    num_splits = math.ceil(max_pages / pages_per_split)
+    if num_splits != hinted:  # the fewest splits of that length; a hinted count is kept as is (its last may be empty)
+        num_splits = math.ceil(max_pages / pages_per_split)
     merge_in_cta = False
     if cta_merge and 2 <= num_splits <= max_cta_splits(head_dim, stage):
         # CTAs of num_splits warps, as many per SM as keep the requested warps per SM: used when that needs no
@@ -283,16 +341,30 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         units = batch * num_kv_heads
         if math.ceil(units / (sms * per_sm)) <= math.ceil(units * num_splits / (sms * warps * min_blocks)):
             merge_in_cta, warps, min_blocks = True, num_splits, per_sm
+    meta = torch.cat([seqs.kv_lens, torch.tensor([pages_per_split])]).to(torch.int32)  # one copy for both
+    if buffers is None:
+        indptr, indices, meta = (to_device(seqs.indptr, dev, torch.int32), to_device(kv_indices, dev, torch.int32),
+                                 to_device(meta, dev))
+    else:
+        if buffers.batch != batch or buffers.device != dev:
+            raise ValueError(f"plan buffers for batch {buffers.batch} on {buffers.device}, not {batch} on {dev}")
+        nnz = kv_indices.numel()
+        indices = buffers.page_ids(nnz)
+        copy_into(indices[:nnz], kv_indices)
+        indptr, meta = copy_into(buffers.indptr, seqs.indptr), copy_into(buffers.meta, meta)
     p = CudaDecodePlan(
-        indptr=to_device(seqs.indptr, dev, torch.int32), indices=to_device(kv_indices, dev, torch.int32),
-        kv_lens=to_device(seqs.kv_lens, dev, torch.int32), batch=batch, num_qo_heads=num_qo_heads,
+        indptr=indptr, indices=indices, kv_lens=meta[:batch], split_pages=meta[batch:], batch=batch,
+        num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, load_hint=load_hint, cta_merge=merge_in_cta,
-        stage=stage)
+        stage=stage, buffers=buffers)
     if num_splits > 1 and not merge_in_cta:
-        p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
-        p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
+        if buffers is not None:
+            p.opart, p.lse = buffers.parts(num_qo_heads, num_splits, head_dim)
+        else:
+            p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
+            p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
     return p
 
 
@@ -335,11 +407,11 @@ def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, po
     grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
-        group_start, group_desc, float(p.sm_scale * LOG2E), p.pages_per_split, p.num_splits, p.num_kv_heads,
+        group_start, group_desc, float(p.sm_scale * LOG2E), p.split_pages, p.num_splits, p.num_kv_heads,
         p.group, p.batch], smem=smem_bytes(p.head_dim, p.warps, p.stage))
     if split:
         k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
-            p.opart, p.lse, out, p.kv_lens, p.pages_per_split * 16, p.num_splits, p.num_qo_heads])
+            p.opart, p.lse, out, p.kv_lens, p.split_pages, p.num_splits, p.num_qo_heads])
 
 
 def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -352,5 +424,5 @@ def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return pool, starts, desc
 
 
-__all__ = ["CudaDecodePlan", "plan", "run", "check_tables", "raw_pool", "unsupported", "shape_unsupported",
-           "store_unsupported"]
+__all__ = ["CudaDecodePlan", "PlanBuffers", "graph_key", "plan", "run", "check_tables", "raw_pool", "unsupported",
+           "shape_unsupported", "store_unsupported"]

@@ -357,3 +357,44 @@ def test_run_refuses_a_pool_beyond_the_kernels_reach(monkeypatch) -> None:
     with pytest.raises(ValueError, match="addresses pools up to"):
         zc.run(p, q, torch.zeros(2048, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.int64),
                torch.zeros(1, 2, 2, 4, dtype=torch.uint8))
+
+
+def test_plan_into_fixed_buffers_matches_a_fresh_plan_and_keeps_its_graph_key() -> None:
+    """``plan(buffers=...)`` (whole-step CUDA graphs): the same arrays as a fresh plan, written into fixed tensors;
+    pages per split travels on the device, so the key a captured graph bakes in stays while contexts grow and the
+    split count holds; outgrowing the page-id buffer replaces it and changes the key; a wrong batch is refused."""
+    def tables(batch: int, pages: list[int], last: int = 16):
+        indptr = torch.tensor([0] + list(np.cumsum(pages)), dtype=torch.int32)
+        return indptr, torch.randperm(int(indptr[-1]), dtype=torch.int32), torch.full((batch,), last, dtype=torch.int32)
+
+    for batch, others in ((3, [400, 7]), (66, [513] * 65)):
+        bufs = zc.PlanBuffers(batch, "cpu")
+        keys, split_pages, fresh_splits, hint = set(), set(), set(), None
+        for grow in range(0, 48, 3):  # one sequence grows by pages, the others stay
+            t = tables(batch, [513 + grow] + others)
+            fresh = zc.plan(*t, 32, 8, 128, device="cpu")
+            fixed = zc.plan(*t, 32, 8, 128, device="cpu", buffers=bufs, splits_hint=hint)
+            nnz = int(t[0][-1])
+            assert torch.equal(fixed.indptr, fresh.indptr) and torch.equal(fixed.kv_lens, fresh.kv_lens)
+            assert torch.equal(fixed.indices[:nnz], fresh.indices)
+            assert fixed.indices.data_ptr() == bufs.indices.data_ptr()
+            assert fixed.indptr.data_ptr() == bufs.indptr.data_ptr()
+            assert fixed.kv_lens.data_ptr() == bufs.meta.data_ptr()
+            assert fixed.split_pages.item() == fixed.pages_per_split
+            assert fixed.pages_per_split == -(-(513 + grow) // fixed.num_splits)  # every page in a split
+            assert zc.graph_key(fresh) is None
+            keys.add(zc.graph_key(fixed))
+            split_pages.add(fixed.pages_per_split)
+            fresh_splits.add(fresh.num_splits)
+            hint = fixed.num_splits
+        assert len(keys) == 1 and len(split_pages) > 1, (batch, "pages per split changed, the key did not")
+        assert batch != 3 or len(fresh_splits) > 1, "the hint is what holds a small batch's split count"
+    bufs = zc.PlanBuffers(3, "cpu")
+    before = zc.graph_key(zc.plan(*tables(3, [513, 400, 7]), 32, 8, 128, device="cpu", buffers=bufs))
+    big = tables(3, [4000, 4000, 4000])
+    grown = zc.plan(*big, 32, 8, 128, device="cpu", buffers=bufs)
+    assert bufs.indices.numel() >= 12000 and zc.graph_key(grown) != before
+    split = zc.plan(*tables(3, [40, 40, 40]), 32, 8, 128, device="cpu", num_splits=3, cta_merge=False, buffers=bufs)
+    assert split.opart.shape == (3, 32, 3, 128) and split.opart is bufs.parts(32, 3, 128)[0]
+    with pytest.raises(ValueError, match="plan buffers for batch 3"):
+        zc.plan(*tables(2, [5, 5]), 32, 8, 128, device="cpu", buffers=bufs)

@@ -262,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
            const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
-           float scale_log2, int pages_per_split, int num_splits, int hkv, int group, int batch) {
+           float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch) {
   // warps of a CTA take consecutive (sequence, KV head, split) units, splits innermost: none idles
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
@@ -271,6 +271,8 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 #endif
   const int split = unit % num_splits, h = (unit / num_splits) % hkv, b = unit / (num_splits * hkv);
   const int kv_len = kv_lens[b];
+  // pages per split from device memory, not a launch argument: a captured CUDA graph stays valid as contexts grow
+  const int pages_per_split = *split_pages;
   const int p0 = split * pages_per_split;
   const int n = min((kv_len + 15) / 16 - p0, pages_per_split);
 #if !CTA_MERGE
@@ -543,9 +545,10 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 
 // out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge), one thread per dim.
 extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
-                                     u16* __restrict__ out, const int* __restrict__ kv_lens, int split_tokens,
-                                     int num_splits, int hq_total) {
+                                     u16* __restrict__ out, const int* __restrict__ kv_lens,
+                                     const int* __restrict__ split_pages, int num_splits, int hq_total) {
   const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
+  const int split_tokens = 16 * *split_pages;
   const int n = (kv_lens[b] + split_tokens - 1) / split_tokens;
   const long long row = ((long long)b * hq_total + hq) * num_splits;
   float mx = NEG_INF;
