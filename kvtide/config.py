@@ -176,6 +176,14 @@ class EngineConfig:
     # decode steps replay the model between attention calls as CUDA graphs (kvtide/engine/cuda_graphs.py): the
     # host work of a step drops to L + 1 graph launches and L attention calls. CUDA only.
     cuda_graphs: bool = False
+    # with cuda_graphs, capture each decode step whole, attention included (zip over the CUDA kernel; FlashInfer
+    # through its CUDA-graph wrapper): one graph launch per step instead of L + 1 graph launches, 2L eager kernels
+    # and the Python between them. The attention plan goes into fixed buffers; a step replays the graph of its batch
+    # size and launch shape. None: whole steps for backends where that measured faster on the H200 (zip), piecewise
+    # for FlashInfer: 0.47 ms more device time per step at 52 x 8K whole (bench/results/zip_engine_full_graphs_h200
+    # .json; by its scheduler source its CUDA-graph plan always splits the KV, a merge per layer). True / False: every
+    # backend that can.
+    full_cuda_graphs: bool | None = None
     # schedule and launch step N+1 before step N's tokens reach the host (they reach step N+1 on the device), so the
     # host's per-step work (scheduling, page tables, attention plans, compression bookkeeping, outputs) runs while
     # the device computes. None: on for CUDA engines without restoration; the CPU gains nothing from it.

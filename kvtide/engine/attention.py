@@ -8,6 +8,7 @@ run per layer: store the layer's new K/V, attend. The torch backend works everyw
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +89,7 @@ class PageArrays:
 
 class AttentionBackend:
     name = "base"
+    whole_step_graphs = False  # captured whole by default (EngineConfig.full_cuda_graphs=None) where plan_graph can
 
     def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, head_dim: int):
         self.kv_caches = kv_caches
@@ -97,6 +99,14 @@ class AttentionBackend:
 
     def plan(self, layout: BatchLayout) -> None:
         raise NotImplementedError
+
+    def plan_graph(self, layout: BatchLayout) -> Hashable | None:
+        """Plan a decode-only step that will run inside a CUDA graph capturing the whole step, attention included
+        (``EngineConfig.full_cuda_graphs``): the plan goes into fixed buffers, and the key returned names what the
+        captured graph bakes in (a later step with the same key replays it). None: this backend cannot be captured
+        (the step is planned as usual, and attention runs eagerly between graph pieces)."""
+        self.plan(layout)
+        return None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -1,11 +1,20 @@
-"""Piecewise CUDA graphs for decode steps: the model between attention calls replays as captured graphs, attention
-runs eagerly between them (``EngineConfig.cuda_graphs``).
+"""CUDA graphs for decode steps (``EngineConfig.cuda_graphs``): whole steps where the attention backend can be
+captured (:class:`FullDecodeGraph`, ``EngineConfig.full_cuda_graphs``), else piecewise: the model between attention
+calls replays as captured graphs and attention runs eagerly between them (:class:`DecodeGraph`).
 
-Why piecewise: an attention call's launch parameters change every step (page tables, lengths, split counts) and
-the compressed pool's tables move as pages compress, while everything else in a decode step (embedding, norms,
-projections, RoPE, MLP, LM head) has fixed shapes for a fixed batch size. On the H200 (Llama-3.1-8B shape) decode
-steps were host-bound: ~28 ms per step at every batch from 16 to 64, most of it Python and launches in the model
-(bench/results/zip_engine_h200_profile_log.txt). Here a step is L + 1 graph replays and L attention calls.
+Why whole steps: measured on the H200 (8B shape, bench/results/zip_engine_profile_piecewise_h200.json), a piecewise
+zip step spent ~11 ms of host time launching its 33 graphs and 64 eager kernels, with the step's other host work close
+to the 18-21 ms the device took, so under async scheduling a slower host or one slow step left the device idle. A
+captured step is one launch. What it needs from the backend (``AttentionBackend.plan_graph``): a plan written into
+fixed buffers, read by kernels whose launch arguments do not change from step to step of one batch size and launch
+shape (the graph's key).
+
+Why piecewise (backends that cannot be captured, or whose captured form is slower): a plain attention call's launch
+parameters change every step (page tables, lengths, split counts) and the compressed pool's tables move as pages
+compress, while everything else in a decode step (embedding, norms, projections, RoPE, MLP, LM head) has fixed shapes
+for a fixed batch size. On the H200 (Llama-3.1-8B shape) eager decode steps were host-bound: ~28 ms per step at
+every batch from 16 to 64, most of it Python and launches in the model (bench/results/zip_engine_h200_profile_log.txt).
+Here a step is L + 1 graph replays and L attention calls.
 
 How: the model is run once under capture with a stand-in attention (:class:`_Segments`) that ends the running
 capture at each attention call, keeps that layer's q/k/v (outputs of the graph just captured, at fixed addresses)
@@ -16,6 +25,7 @@ one batch size share one memory pool and replay in capture order, as torch requi
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 
@@ -57,20 +67,42 @@ class _Segments:
         return out
 
 
-class DecodeGraph:
-    """One batch size's captured decode step."""
+class _StepInputs:
+    """A captured decode step's fixed inputs (ids, positions, the rows whose logits it returns) and the side-stream
+    warm-up every capture starts with. Every tensor a graph reads must outlive it: a local freed during capture
+    would be reused under the graph's feet."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, device: torch.device, warmup: int = 2):
+    def __init__(self, batch: int, device: torch.device, ids: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None):
         self.batch = batch
-        self.ids = torch.zeros(batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        # every tensor a graph reads must outlive it: a local freed here would be reused under the graph's feet
-        self.rows = rows = torch.arange(batch, device=device)
+        self.ids = torch.zeros(batch, dtype=torch.long, device=device) if ids is None else ids.clone()
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device) if positions is None else positions.clone()
+        self.rows = torch.arange(batch, device=device)
+
+    @contextmanager
+    def _capturing(self, model: torch.nn.Module, device: torch.device, warmup: int):
+        """On a side stream (captures may not run on the default one): ``warmup`` forwards with a stand-in attention
+        (cuBLAS handles, allocator state), then the caller's capture; the current stream waits for it after."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                model(self.ids, self.positions, _ZeroAttention(), logit_rows=rows)
+                model(self.ids, self.positions, _ZeroAttention(), logit_rows=self.rows)
+            yield
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def _load(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        self.ids.copy_(ids, non_blocking=True)
+        self.positions.copy_(positions, non_blocking=True)
+
+
+class DecodeGraph(_StepInputs):
+    """One batch size's captured decode step."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, device: torch.device, warmup: int = 2):
+        super().__init__(batch, device)
+        rows = self.rows
+        with self._capturing(model, device, warmup):
             seg = _Segments(torch.cuda.graph_pool_handle())
             seg.begin()
             try:
@@ -78,15 +110,13 @@ class DecodeGraph:
             finally:
                 if seg.graph is not None:
                     seg.end()
-        torch.cuda.current_stream(device).wait_stream(side)
         self.graphs, self.qkv, self.outs = seg.graphs, seg.qkv, seg.outs
         if len(self.graphs) != len(self.qkv) + 1:
             raise RuntimeError("capture did not split into one segment per attention call plus one")
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """Logits [batch, vocab] (float32) of one decode step; valid until the next run of this graph."""
-        self.ids.copy_(ids, non_blocking=True)
-        self.positions.copy_(positions, non_blocking=True)
+        self._load(ids, positions)
         for layer, (q, k, v) in enumerate(self.qkv):
             self.graphs[layer].replay()
             self.outs[layer].copy_(attention(layer, q, k, v))
@@ -94,8 +124,34 @@ class DecodeGraph:
         return self.logits
 
 
+class FullDecodeGraph(_StepInputs):
+    """One decode step captured whole, the attention backend's kernels included, for one batch size and the plan
+    key it was captured with. Captured during a real step: the backend has planned that step into its fixed
+    buffers, the step's ids are in place, and one eager forward with the real attention (JIT builds, lazy state)
+    runs before the capture; it writes the step's K/V, which the replay that follows writes again, identically."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, device: torch.device, attention, ids: torch.Tensor,
+                 positions: torch.Tensor, warmup: int = 2):
+        super().__init__(batch, device, ids, positions)
+        with self._capturing(model, device, warmup):
+            model(self.ids, self.positions, attention, logit_rows=self.rows)
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+            try:
+                self.logits = model(self.ids, self.positions, attention, logit_rows=self.rows)
+            finally:
+                self.graph.capture_end()
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, vocab] of one decode step planned with this graph's key; valid until the next run."""
+        self._load(ids, positions)
+        self.graph.replay()
+        return self.logits
+
+
 class DecodeGraphs:
-    """Captured decode steps by batch size, captured on first use; the least recently used go beyond ``max_sizes``."""
+    """Captured decode steps by batch size (piecewise) or by the attention plan's key (whole steps), captured on
+    first use; the least recently used go beyond ``max_sizes`` of each kind."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, max_sizes: int = 8):
         if device.type != "cuda":
@@ -104,7 +160,21 @@ class DecodeGraphs:
         self.device = device
         self.max_sizes = max_sizes
         self.cache: OrderedDict[int, DecodeGraph] = OrderedDict()
+        self.full: OrderedDict[tuple, FullDecodeGraph] = OrderedDict()
         self.captures = 0
+        self.full_captures = 0
+
+    def run_full(self, key: tuple, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """One whole decode step, the attention planned with ``plan_graph`` (``key``); captured on first use."""
+        g = self.full.get(key)
+        if g is None:
+            g = FullDecodeGraph(self.model, ids.numel(), self.device, attention, ids, positions)
+            self.full_captures += 1
+            self.full[key] = g
+            while len(self.full) > self.max_sizes:
+                self.full.popitem(last=False)
+        self.full.move_to_end(key)
+        return g.run(ids, positions)
 
     def get(self, batch: int) -> DecodeGraph:
         g = self.cache.get(batch)

@@ -2,6 +2,8 @@
 path, the strong GQA baseline), prefill wrapper for steps that carry prefill chunks. Planned once per step."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kernels.h2d import to_device
@@ -45,6 +47,7 @@ class FlashInferAttention(AttentionBackend):
             torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD")
         self.wrapper = None
         self._planned: torch.cuda.Event | None = None  # recorded after the latest plan's copies were enqueued
+        self._graph_wrappers: dict[int, tuple] = {}  # batch -> (CUDA-graph decode wrapper, slot buffer, generation)
         self.build_kernels()
 
     def build_kernels(self) -> None:
@@ -57,6 +60,49 @@ class FlashInferAttention(AttentionBackend):
         for n in (1, 2):  # 1: decode wrapper, 2: prefill wrapper (only page 0 is named; nothing is run)
             self.plan(BatchLayout([n], [n], [[0]], torch.zeros(n, dtype=torch.long, device=dev), self.page_size))
         self.wrapper = None
+
+    def _graph_wrapper(self, batch: int, nnz: int):
+        """The CUDA-graph decode wrapper of ``batch`` sequences (fixed page-table buffers: FlashInfer's
+        ``use_cuda_graph`` mode, whose plans keep the kernel's grid fixed); replaced, with a new generation, when the
+        page ids outgrow its buffer."""
+        import flashinfer
+
+        have = self._graph_wrappers.get(batch)
+        if have is not None and have[0]._paged_kv_indices_buf.numel() >= nnz:
+            return have
+        dev = self.kv_caches[0].device
+        gen = 0 if have is None else have[2] + 1
+        cap = 1 << max(10, math.ceil(math.log2(nnz * 1.25)))
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.decode._float_workspace_buffer, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(cap, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev))
+        self._graph_wrappers[batch] = have = (w, torch.zeros(batch, dtype=torch.long, device=dev), gen)
+        return have
+
+    def plan_graph(self, layout: BatchLayout):
+        """A decode step for a whole-step CUDA graph: planned into this batch size's CUDA-graph wrapper, the slot
+        mapping copied into a fixed buffer."""
+        if not layout.is_decode_only or self.kv_caches[0].device.type != "cuda":
+            self.plan(layout)
+            return None
+        kv_indptr, kv_indices, kv_last = layout.page_table()
+        n = len(layout.q_lens)
+        w, slots, gen = self._graph_wrapper(n, kv_indices.numel())
+        if self._planned is not None:  # see plan: the wrapper's pinned plan buffer
+            self._planned.synchronize()
+        dev, dtype = self.kv_caches[0].device, self.kv_caches[0].dtype
+        # pinned sources: FlashInfer copies them into its fixed buffers without a wait; the page ids go to the device
+        # first (FlashInfer copies host page ids blocking)
+        w.plan(kv_indptr.pin_memory(), to_device(kv_indices, dev), kv_last.pin_memory(), self.num_heads,
+               self.num_kv_heads, self.head_dim, layout.page_size, pos_encoding_mode="NONE", q_data_type=dtype,
+               kv_data_type=dtype, sm_scale=self.scale, non_blocking=True)
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+        self.wrapper = w
+        self.slot_mapping = slots.copy_(layout.slot_mapping, non_blocking=True)
+        return ("flashinfer", n, gen)
 
     def plan(self, layout: BatchLayout) -> None:
         p = layout.page_size

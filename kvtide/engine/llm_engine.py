@@ -71,7 +71,8 @@ class LLMEngine:
         self.store = self._make_store(num_pages * page_bytes, device) if cache.compress else None
         self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend,
                                   store=self.store, cuda_graphs=config.cuda_graphs,
-                                  compress_spread_steps=cache.compress_spread_steps)
+                                  compress_spread_steps=cache.compress_spread_steps,
+                                  full_cuda_graphs=config.full_cuda_graphs)
         self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, store=self.store)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         # A sequence may never outgrow the whole cache, or it would preempt itself forever.

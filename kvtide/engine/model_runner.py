@@ -49,7 +49,8 @@ class ModelRunner:
     """KV lives either in fixed per-layer tensors or, with `store` (compress=True), in the compressed pool."""
 
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, kv_dtype: torch.dtype, backend: str,
-                 store: ZipPagedKV | None = None, cuda_graphs: bool = False, compress_spread_steps: int = 1):
+                 store: ZipPagedKV | None = None, cuda_graphs: bool = False, compress_spread_steps: int = 1,
+                 full_cuda_graphs: bool | None = None):
         a = model.args
         self.compress_spread_steps = compress_spread_steps  # see CacheConfig.compress_spread_steps
         self.model = model
@@ -65,6 +66,7 @@ class ModelRunner:
         if store is not None:
             self.kv_caches: list[torch.Tensor] = []
             self.attention = make_zip_backend(backend, store, a.num_heads, a.num_kv_heads, a.head_dim, page_size)
+            self.full_graphs = self.attention.whole_step_graphs if full_cuda_graphs is None else full_cuda_graphs
             return
         # One tensor per layer in FlashInfer's NHD layout: [num_pages, 2 (K, V), page_size, kv_heads, head_dim].
         self.kv_caches = [
@@ -72,6 +74,8 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.attention = make_backend(backend, self.kv_caches, a.num_heads, a.num_kv_heads, a.head_dim, page_size)
+        # whole-step graphs where the backend can be captured (EngineConfig.full_cuda_graphs; None: its default)
+        self.full_graphs = self.attention.whole_step_graphs if full_cuda_graphs is None else full_cuda_graphs
 
     @staticmethod
     def page_bytes(model_args, page_size: int, kv_dtype: torch.dtype) -> int:
@@ -135,11 +139,15 @@ class ModelRunner:
             starts = layout.q_starts
             ids_dev = self._input_ids(batch, ids, prev)
             pos_dev = to_device(torch.tensor(positions, dtype=torch.long), self.device)
+        graphed = self.graphs is not None and layout.is_decode_only
         with record_function("kvtide.attention_plan"):
-            self.attention.plan(layout)
+            key = self.attention.plan_graph(layout) if graphed and self.full_graphs else self.attention.plan(layout)
         with record_function("kvtide.model"):
-            if self.graphs is not None and layout.is_decode_only:  # logits of all rows, then the sampled ones
-                logits = self.graphs.get(len(ids)).run(ids_dev, pos_dev, self.attention)
+            if graphed:  # logits of all rows, then the sampled ones
+                if key is not None:
+                    logits = self.graphs.run_full(key, ids_dev, pos_dev, self.attention)
+                else:
+                    logits = self.graphs.get(len(ids)).run(ids_dev, pos_dev, self.attention)
                 if len(sampling) != len(batch):  # a one-token prompt chunk short of its prompt's end samples nothing
                     logits = logits[to_device(torch.tensor(sampling, dtype=torch.long), self.device)]
             else:

@@ -11,18 +11,13 @@ step and run once per layer.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.profiler import record_function
 
 from ..cache.zip_pages import ZipPagedKV
+from ..kernels.interpret import triton_interpret
 from .attention import AttentionBackend, BatchLayout
 from .zip_backend import DecompressThenAttend
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def fused_unsupported(store: ZipPagedKV, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -38,7 +33,7 @@ def fused_unsupported(store: ZipPagedKV, num_heads: int, num_kv_heads: int, head
         return None if why is None else (f"attention_backend 'zip' over a store in the 'mma' value order runs the "
                                          f"CUDA kernel: {why}; use CacheConfig.value_order='token' (Triton kernel) "
                                          f"or attention_backend='torch'")
-    if store.device.type != "cuda" and not _interpret():
+    if store.device.type != "cuda" and not triton_interpret():
         return ("attention_backend 'zip' runs a Triton kernel: it needs a CUDA device, or TRITON_INTERPRET=1 set "
                 "before kvtide's kernels are first used to run it on CPU (slow: tests only); otherwise use "
                 "attention_backend='torch' (decompress-then-attend)")
@@ -59,6 +54,7 @@ class ZipFusedAttention(AttentionBackend):
     """Decodes through the fused kernel over the pool; prefill chunks through ``fallback`` (decompress-then-attend)."""
 
     name = "zip"
+    whole_step_graphs = True
 
     def __init__(self, store: ZipPagedKV, num_heads: int, num_kv_heads: int, head_dim: int,
                  fallback: DecompressThenAttend):
@@ -80,6 +76,36 @@ class ZipFusedAttention(AttentionBackend):
         self.kplan = None
         # Sequences planned through each path, and steps that used both: benches and tests check the routing.
         self.counts = {"kernel_seqs": 0, "fallback_seqs": 0, "mixed_steps": 0}
+        self._graph_bufs: dict[int, tuple] = {}  # batch -> (kernel PlanBuffers, slot buffer, last split count)
+
+    def plan_graph(self, layout: BatchLayout):
+        """A decode step for a whole-step CUDA graph: the CUDA kernel's plan and the slot mapping go into fixed
+        buffers of this batch size (the fused write and the kernel then read only fixed addresses). The Triton
+        kernel and the torch write path are not captured (None)."""
+        graphable = (self.store.geo.value_order == "mma" and self.store.fused_write and layout.is_decode_only
+                     and self.store.device.type == "cuda")
+        if not graphable:
+            self.plan(layout)
+            return None
+        n = len(layout.q_lens)
+        if n not in self._graph_bufs:
+            self._graph_bufs[n] = (self.kernel.PlanBuffers(n, self.store.device),
+                                   torch.zeros(n, dtype=torch.long, device=self.store.device), None)
+        bufs, slots, splits = self._graph_bufs[n]
+        self.slot_mapping = slots.copy_(layout.slot_mapping, non_blocking=True)
+        self.write_rows = None
+        self.mixed = False
+        self.kplan = self._kernel_plan(layout, None, buffers=bufs, splits_hint=splits)
+        self._graph_bufs[n] = (bufs, slots, self.kplan.num_splits)  # kept while nearly as fast: no new capture
+        self.counts["kernel_seqs"] += n
+        return ("zip", self.kernel.graph_key(self.kplan))
+
+    def _kernel_plan(self, layout: BatchLayout, rows: list[int] | None, **extra):
+        """The decode kernel's plan of sequences ``rows`` (None: all) of ``layout``."""
+        return self.kernel.plan(*layout.page_table(rows), self.num_heads, self.num_kv_heads, self.head_dim,
+                                layout.page_size, block_size=self.store.block_size,
+                                version=self.store.format_version, sm_scale=self.scale, device=self.store.device,
+                                **extra)
 
     def plan(self, layout: BatchLayout) -> None:
         p = layout.page_size
@@ -90,11 +116,7 @@ class ZipFusedAttention(AttentionBackend):
         self.slot_mapping = layout.slot_mapping
         # once per step, for every layer's write (the fused write on a GPU places each value itself)
         self.write_rows = None if self.store.fused_write else self.store.write_rows(layout.slot_mapping)
-        self.kplan = None
-        if dec:
-            self.kplan = self.kernel.plan(
-                *layout.page_table(dec), self.num_heads, self.num_kv_heads, self.head_dim, p,
-                block_size=self.store.block_size, version=self.store.format_version, sm_scale=self.scale, device=dev)
+        self.kplan = self._kernel_plan(layout, dec) if dec else None
         self.counts["kernel_seqs"] += len(dec)
         self.counts["fallback_seqs"] += len(rest)
         self.counts["mixed_steps"] += bool(dec and rest)

@@ -1,4 +1,5 @@
-"""Piecewise CUDA graphs for decode: the same greedy tokens as eager steps (GPU), a clear refusal on the CPU."""
+"""CUDA graphs for decode, piecewise and whole-step: the same greedy tokens as eager steps (GPU), a clear refusal on
+the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -25,13 +26,61 @@ def test_cuda_graph_decode_gives_the_eager_tokens(compress: bool) -> None:
     prompts = [[(7 * i + 3 * j) % 997 + 1 for j in range(5 + 13 * i)] for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=24 + 6 * i, ignore_eos=True) for i in range(5)]
     out = {}
-    for graphs in (False, True):
-        llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0, cuda_graphs=graphs,
+    for mode in ("eager", "piecewise", "full"):
+        llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0,
+                  cuda_graphs=mode != "eager", full_cuda_graphs=mode == "full",
                   cache=CacheConfig(compress=compress, num_pages=64))
-        out[graphs] = [r.token_ids for r in llm.generate(prompts, params)]
-        if graphs:
-            assert llm.engine.runner.graphs.captures >= 2, "batch sizes 5 and fewer each need their capture"
-            if compress:
-                assert llm.engine.store.geo.value_order == "mma"
-                assert llm.engine.runner.attention.kernel.__name__.endswith("zip_attention_cuda")
+        out[mode] = [r.token_ids for r in llm.generate(prompts, params)]
+        graphs, attention = llm.engine.runner.graphs, llm.engine.runner.attention
+        whole = mode == "full" and attention.name in ("zip", "flashinfer")  # torch attention is never captured
+        if mode != "eager" and not whole:
+            assert graphs.captures >= 2 and graphs.full_captures == 0, "batch sizes 5 and fewer each need a capture"
+        if whole:
+            assert graphs.full_captures >= 2 and graphs.captures == 0
+        if compress:
+            assert attention.name == "zip" and llm.engine.store.geo.value_order == "mma"
+            assert attention.kernel.__name__.endswith("zip_attention_cuda")
+    assert out["piecewise"] == out["eager"]
+    assert out["full"] == out["eager"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_whole_step_graphs_with_flashinfer_give_the_piecewise_tokens() -> None:
+    """FlashInfer captured whole (its CUDA-graph wrapper per batch size, bf16): the piecewise graphs' tokens, with
+    batch sizes that change as requests finish and contexts that cross pages; one capture per batch size."""
+    pytest.importorskip("flashinfer")
+    prompts = [[(7 * i + 3 * j) % 997 + 1 for j in range(5 + 13 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=24 + 6 * i, ignore_eos=True) for i in range(5)]
+    out = {}
+    for full in (False, True):
+        llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="bfloat16", seed=0, cuda_graphs=True,
+                  full_cuda_graphs=full, attention_backend="flashinfer", cache=CacheConfig(num_pages=64))
+        out[full] = [r.token_ids for r in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.graphs
+        if full:
+            assert graphs.captures == 0 and 2 <= graphs.full_captures <= 5
+    default = LLM("random:tiny-d128", progress=False, device="cuda", dtype="bfloat16", cuda_graphs=True,
+                  attention_backend="flashinfer", cache=CacheConfig(num_pages=64))
+    assert not default.engine.runner.full_graphs, "FlashInfer stays piecewise unless asked (EngineConfig)"
     assert out[True] == out[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_whole_step_zip_graph_replays_as_contexts_grow() -> None:
+    """One batch decoding 80 steps across five page boundaries (pages compress between replays, pages per split
+    changes): whole-step graphs by default for zip, few captures (the tiny contexts move the split count while
+    they are a few pages long), many replays, the eager engine's tokens."""
+    prompts = [[(11 * i + 5 * j) % 991 + 1 for j in range(40 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    out = {}
+    for mode in ("eager", "full"):
+        llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0,
+                  cuda_graphs=mode == "full", cache=CacheConfig(compress=True, num_pages=64))
+        out[mode] = [r.token_ids for r in llm.generate(prompts, params)]
+        if mode == "full":
+            assert llm.engine.runner.full_graphs and 1 <= llm.engine.runner.graphs.full_captures <= 3
+            assert llm.engine.runner.graphs.captures == 0
+            assert llm.engine.store.counters["pages_compressed"] > 0
+    assert out["full"] == out["eager"]

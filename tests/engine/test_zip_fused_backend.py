@@ -153,3 +153,22 @@ def test_cuda_kernel_is_built_when_the_backend_is_made(monkeypatch):
         ZipFusedAttention(store, 32, 8, 128, fallback=None)
     stage = zc.default_stage(128)
     assert sorted(built) == sorted((0, 128, 2, w, mb, 0, cm, stage) for w, mb, cm in zc.default_launches(128))
+
+
+def test_whole_step_graph_defaults_and_the_cpu_fallback():
+    """full_cuda_graphs=None takes the backend's default (zip: whole steps; torch: piecewise) and True / False
+    override it. Off CUDA, or over the Triton kernel, zip's plan_graph plans as usual and returns no graph key, so
+    the runner would run the step piecewise rather than capture what cannot be captured."""
+    from kvtide.engine.attention import BatchLayout
+
+    assert make("zip", True).engine.runner.full_graphs is True
+    assert make("torch", True).engine.runner.full_graphs is False
+    forced = LLM(MODEL, progress=False, device=DEV, attention_backend="torch", cache=CacheConfig(num_pages=8),
+                 full_cuda_graphs=True)
+    assert forced.engine.runner.full_graphs is True
+    if DEV == "cuda":
+        return  # the CUDA path is the GPU tests' (tests/engine/test_cuda_graphs.py)
+    att = make("zip", True).engine.runner.attention
+    layout = BatchLayout([1, 1], [5, 20], [[0], [1, 2]], torch.tensor([4, 35]), 16)
+    assert att.plan_graph(layout) is None
+    assert att.kplan is not None and att.counts["kernel_seqs"] == 2
