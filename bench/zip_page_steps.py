@@ -15,9 +15,11 @@ tokens, then batch 65 (17 more prefixes prefilled into a full pool: in-place com
 run's; only the bytes shrink: head_dim 8 and 32-value blocks (4 blocks per group, as d=128 with 512-value blocks), so
 the pool is 3.4 GiB. The K/V values are constant but for a per-block outlier that makes ~21% of K blocks and ~7% of V
 blocks of prefill steps incompressible (the H200 run measured 79% / 93% compressible on the real-model KV its
-prefixes got), 5% of decode steps' (the random model's own KV there), picked by a hash of (layer, page, head, block).
-The end state matches the H200 run's closely (pages held 34,587 vs 34,623, compressed in all 35,297 vs 35,297,
-groups in place 498K vs 507K, prefix evictions 710 vs 674, no preemption).
+prefixes got, format v1; with v2, the engine's default since, 92.8% / 93.0%: pass --p-raw-k 0.072), 5% of decode
+steps' (the random model's own KV there), picked by a hash of (layer, page, head, block). The format version and the
+spread of placement over steps follow the tree's CacheConfig defaults unless given. With v1 and no spread, the end
+state matched the H200 run's closely (pages held 34,587 vs 34,623, compressed in all 35,297 vs 35,297, groups in
+place 498K vs 507K, prefix evictions 710 vs 674, no preemption).
 
 Reported: per kind of step of the last batch's decode (page: allocates and finishes compressing pages; begin: stages
 the pages that filled; plain), host ms in ``schedule``, ``compress_begin`` / ``compress_finish`` and in the traced
@@ -47,6 +49,7 @@ import dataclasses
 import gc
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -185,10 +188,17 @@ class FakeEngine:
     def __init__(self, kv, a) -> None:
         ZipGeometry, ZipPagedKV, SchedulerConfig, BlockManager, self.SamplingParams, Scheduler, self.Sequence, \
             self.Status = kv
-        self.geo = ZipGeometry(a.layers, a.kv_heads, a.head_dim, PAGE, block_size=a.head_dim * PAGE // 4)
+        cache_cfg = getattr(sys.modules[ZipPagedKV.__module__.split(".")[0] + ".config"], "CacheConfig")()
+        version = a.format_version or getattr(cache_cfg, "format_version", 1)  # the tree's engine default
+        self.geo = ZipGeometry(a.layers, a.kv_heads, a.head_dim, PAGE, block_size=a.head_dim * PAGE // 4,
+                               format_version=version)
         per_seq = math.ceil((a.context + a.steps) / PAGE)
         budget = int((int(a.budget_seqs * per_seq) + 8) * self.geo.raw_page_bytes * a.budget_scale)
         self.store = ZipPagedKV(self.geo, budget, "cpu")
+        # the engine's spread of page placement over decode steps (CacheConfig.compress_spread_steps), where the tree
+        # has it (compress_finish(max_pages)); --compress-spread-steps 1 places a page step's pages at once
+        has_spread = "max_pages" in inspect.signature(self.store.compress_finish).parameters
+        self.spread = (a.compress_spread_steps or getattr(cache_cfg, "compress_spread_steps", 1)) if has_spread else 1
         self.bm = BlockManager(0, PAGE, True, store=self.store)
         extra = {}  # trees from before SchedulerConfig.page_lookahead lack the field
         if a.page_lookahead is not None and "page_lookahead" in {f.name for f in dataclasses.fields(SchedulerConfig)}:
@@ -232,7 +242,10 @@ class FakeEngine:
         self.clock.spent["write"] = time.perf_counter() - t
         filled = [pid for seq, n in plan.batch
                   for pid in seq.pages[seq.num_computed_tokens // PAGE:(seq.num_computed_tokens + n) // PAGE]]
-        self._timed("compress_finish", self.store.compress_finish)
+        # as ModelRunner.launch: a decode step places a share of the pages begun earlier (compress_spread_steps)
+        spread = getattr(self, "spread", 1)
+        share = max(8, -(-len(plan.batch) // spread)) if decode_only and spread > 1 else None
+        self._timed("compress_finish", self.store.compress_finish, *(() if share is None else (share,)))
         self._timed("compress_begin", self.store.compress_begin, filled)
         if not decode_only:
             self._timed("compress_finish", self.store.compress_finish)
@@ -261,7 +274,8 @@ class FakeEngine:
         while self.sched.has_work():
             ev0 = self.page_events()
             fills = any(len(s.pages) * PAGE <= s.num_computed_tokens + 1 for s in self.sched.running)
-            if profile is not None and decoded >= 1 and (self.store._pending or fills):
+            if profile is not None and decoded >= 1 and (getattr(self, "profile_all", False) or self.store._pending
+                                                         or fills):
                 self.profiler = cProfile.Profile()
             plan, decode_only = self.step()
             prof, self.profiler = self.profiler, None
@@ -272,7 +286,7 @@ class FakeEngine:
             kind = "page" if self.page_events() != ev0 else "begin" if self.store._pending else "plain"
             if decoded > 1:
                 if prof is not None:
-                    profile.append((kind, prof))
+                    profile.append((kind, prof, spent))
                 yield kind, spent
 
     def drain(self, batch: int = -1, record: list | None = None, profile: list | None = None) -> None:
@@ -296,20 +310,31 @@ def digest(store) -> str:
     return h.hexdigest()
 
 
-def split_profile(profs: list[tuple[str, cProfile.Profile]]) -> dict:
+def _rows(st: pstats.Stats, per: float) -> list[dict]:
+    return [{"where": f"{Path(file).name}:{line}:{name}" if line else name, "calls": nc / per, "self_ms": tt * 1e3 / per,
+             "cum_ms": ct * 1e3 / per} for (file, line, name), (cc, nc, tt, ct, callers) in st.stats.items()]
+
+
+def split_profile(profs: list[tuple[str, cProfile.Profile, dict]], slowest: int = 0) -> dict:
     """Per page cycle (a page step and the begin step before it): cProfile's top functions by self and cumulative
-    time. Its overhead inflates torch's CPU ops many times over: read it for calls and Python-side shares only."""
-    cycles = sum(kind == "page" for kind, _ in profs) or 1
+    time. Its overhead inflates torch's CPU ops many times over: read it for calls and Python-side shares only.
+    ``slowest``: also the top functions of each of the steps whose ``schedule`` took longest, one by one (a rare
+    slow step disappears in the sum)."""
+    cycles = sum(kind == "page" for kind, _, _ in profs) or 1
     st = pstats.Stats(profs[0][1])
-    for _, p in profs[1:]:
+    for _, p, _ in profs[1:]:
         st.add(p)
-    rows = []
-    for (file, line, name), (cc, nc, tt, ct, callers) in st.stats.items():
-        rows.append({"where": f"{Path(file).name}:{line}:{name}" if line else name, "calls": nc / cycles,
-                     "self_ms": tt * 1e3 / cycles, "cum_ms": ct * 1e3 / cycles})
-    return {"page_cycles": cycles, "total_self_ms": sum(r["self_ms"] for r in rows),
-            "top_self": sorted(rows, key=lambda r: -r["self_ms"])[:30],
-            "top_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:40]}
+    rows = _rows(st, cycles)
+    out = {"page_cycles": cycles, "total_self_ms": sum(r["self_ms"] for r in rows),
+           "top_self": sorted(rows, key=lambda r: -r["self_ms"])[:30],
+           "top_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:40]}
+    if slowest:
+        worst = sorted(range(len(profs)), key=lambda i: -profs[i][2].get("schedule", 0.0))[:slowest]
+        out["slowest_schedule_steps"] = [
+            {"step": i, "kind": profs[i][0], "schedule_ms": profs[i][2].get("schedule", 0.0) * 1e3,
+             "top_cumulative": sorted(_rows(pstats.Stats(profs[i][1]), 1), key=lambda r: -r["cum_ms"])[:25]}
+            for i in worst]
+    return out
 
 
 def summarise(host: list[tuple[str, dict]]) -> dict:
@@ -421,7 +446,7 @@ def decode(eng: FakeEngine, b: int, context: int, profile: list | None = None) -
     print(f"batch {b}: {out['preemptions']} preemptions", flush=True)
     print(f"garbage collector during the decode: {gcc.summary()}", flush=True)
     if profile:
-        out["profile"] = split_profile(profile)
+        out["profile"] = split_profile(profile, getattr(eng, "profile_slowest", 0))
     pg = out.get("page", {})
     begin = out.get("begin", {}).get("compress_begin_ms", {}).get("median", float("nan"))
     plain = out.get("plain", {}).get("schedule_ms", {}).get("median", float("nan"))
@@ -615,6 +640,11 @@ def main() -> None:
     ap.add_argument("--budget-seqs", type=float, default=52.0)
     ap.add_argument("--budget-scale", type=float, default=1.0, help="shrink the budget (quick looks only)")
     ap.add_argument("--step-tokens", type=int, default=16384)
+    ap.add_argument("--profile-slowest", type=int, default=0,
+                    help="cProfile every decode step and report the N with the longest schedule one by one")
+    ap.add_argument("--format-version", type=int, default=None, help="ZipFusion format (default: the tree's engine default)")
+    ap.add_argument("--compress-spread-steps", type=int, default=None,
+                    help="CacheConfig.compress_spread_steps (default: the tree's; 1 places a page step's pages at once)")
     ap.add_argument("--page-lookahead", type=int, default=None,
                     help="SchedulerConfig.page_lookahead (default: the tree's; 0 takes every page in the step that "
                          "needs it, as the engine did before the option)")
@@ -673,7 +703,9 @@ def main() -> None:
             old.clock.trace(OLD)
         run = ab(eng, old, batches[-1], a.context)
     else:
-        run = decode(eng, batches[-1], a.context, [] if a.profile else None)
+        eng.profile_slowest = a.profile_slowest
+        eng.profile_all = a.profile_slowest > 0  # every decode step's schedule, not only page steps'
+        run = decode(eng, batches[-1], a.context, [] if (a.profile or a.profile_slowest) else None)
     st = eng.store.stats()
     res = {
         "env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or
@@ -682,6 +714,7 @@ def main() -> None:
                 "load_average": os.getloadavg()},
         "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "geometry": {"layers": eng.geo.num_layers, "kv_heads": eng.geo.num_kv_heads, "head_dim": eng.geo.head_dim,
+                     "format_version": eng.geo.format_version, "compress_spread_steps": getattr(eng, "spread", 1),
                      "block_size": eng.geo.block_size, "blocks_per_group": eng.geo.blocks_per_group,
                      "chunk_bytes": eng.store.alloc.geo.chunk_bytes, "num_chunks": eng.store.alloc.geo.num_chunks,
                      "raw_slots_per_chunk": eng.store.alloc.geo.slots_per_chunk(0),

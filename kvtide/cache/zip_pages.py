@@ -158,6 +158,10 @@ class ZipPagedKV:
         self._starts_host = np.zeros(shape, dtype=np.int64)  # mirror, for freeing without a device sync
         self._class_host = np.zeros(shape, dtype=np.int8)  # compressed blocks per group, for statistics
         self._generation = np.zeros(self.num_page_ids, dtype=np.int64)  # allocations of each page id so far
+        # groups each page holds compressed in place (in a raw-sized slot) and the bytes that wastes, all layers:
+        # what the pool loses to in-place compression now (the counters count every such group ever)
+        self._in_place_groups = np.zeros(self.num_page_ids, dtype=np.int64)
+        self._in_place_bytes = np.zeros(self.num_page_ids, dtype=np.int64)
         self._pending: list[_PendingCompression] = []  # begun, not finished (compress_begin / compress_finish)
         self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
         self._value_idx = torch.arange(geo.group_values, device=self.device)
@@ -230,6 +234,8 @@ class ZipPagedKV:
             self._count_stored(comp.tolist(), -1)
         self.alloc.free(self._starts_host[:, pids])
         self.state[pids] = ABSENT
+        self._in_place_groups[pids] = 0
+        self._in_place_bytes[pids] = 0
 
     # ---- data path -------------------------------------------------------------------------------
     def write_rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,9 +351,15 @@ class ZipPagedKV:
         bsz = g.block_size
         old_h = self._starts_host[:, pids]
         new_h = old_h.copy()
+        in_place = []
         with record_function("kvtide.zip_place"):
             for layer in range(g.num_layers):
-                self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1), new_h[layer].reshape(-1))
+                in_place += self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1),
+                                        new_h[layer].reshape(-1)) or []  # (a test's reference _place: None)
+        if in_place:  # group index // (heads * 2) is the page's place in ``pids``
+            at = np.asarray(pids, dtype=np.int64)[np.concatenate([gr for gr, _ in in_place]) // (g.num_kv_heads * 2)]
+            np.add.at(self._in_place_groups, at, 1)
+            np.add.at(self._in_place_bytes, at, np.concatenate([w for _, w in in_place]))
         new = self._to_device(new_h)
         packed = np.flatnonzero(cls.reshape(-1) > 0)  # groups stored compressed, in [L, n, H, 2] order
         if packed.size:
@@ -397,8 +409,10 @@ class ZipPagedKV:
             return None
         return self._pool16[idx]
 
-    def _place(self, layer: int, cls: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
-        """Destinations for one layer's groups of class ``cls`` now at ``old``, written into ``new`` (a view).
+    def _place(self, layer: int, cls: np.ndarray, old: np.ndarray,
+               new: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Destinations for one layer's groups of class ``cls`` now at ``old``, written into ``new`` (a view); returns
+        the groups compressed in place, with the bytes each wastes (:meth:`_in_place`).
 
         First one allocation per class for all the groups; if the pool runs short, the rest go raw chunk by raw
         chunk, and each raw slot is freed as soon as its group has a destination, so a chunk emptied by one batch
@@ -409,7 +423,7 @@ class ZipPagedKV:
         """
         todo = np.flatnonzero(cls > 0)
         if not todo.size:
-            return
+            return []
         placed, short, left = [], [], []  # placed groups, those that found no slot, and their classes
         for k, sel in _by_class(todo, cls):
             got = self._alloc_into(layer, k, sel, new)
@@ -419,25 +433,26 @@ class ZipPagedKV:
                 left.append(k)
         self.alloc.free(old[np.concatenate(placed)])
         if not short:
-            return
+            return []
         todo = np.sort(np.concatenate(short))
         if not any(self.alloc.can_alloc(layer, k) for k in left):  # the common case in a full pool: no chunk came back
-            self._in_place(todo, cls)
-            return
+            return [self._in_place(todo, cls)]
+        in_place = []
         chunk = old[todo] // self.alloc.geo.chunk_bytes
         order = np.argsort(chunk, kind="stable")
         segs = np.split(todo[order], np.flatnonzero(np.diff(chunk[order])) + 1)
         for i, seg in enumerate(segs):
             if not any(self.alloc.can_alloc(layer, k) for k in left):
-                self._in_place(np.concatenate(segs[i:]), cls)
-                return
+                in_place.append(self._in_place(np.concatenate(segs[i:]), cls))
+                return in_place
             placed = []
             for k, sel in _by_class(seg, cls):
                 got = self._alloc_into(layer, k, sel, new)
                 placed.append(got)
                 if len(got) < len(sel):  # no destination left: compress in place (the raw slot keeps its size)
-                    self._in_place(sel[len(got):], cls)
+                    in_place.append(self._in_place(sel[len(got):], cls))
             self.alloc.free(old[np.concatenate(placed)])  # the segment's raw chunk may empty for the next one
+        return in_place
 
     def _alloc_into(self, layer: int, k: int, sel: np.ndarray, new: np.ndarray) -> np.ndarray:
         """Slots of class k for groups ``sel`` (as many as the pool gives), written into ``new``; the groups placed."""
@@ -446,11 +461,12 @@ class ZipPagedKV:
         new[got] = offs
         return got
 
-    def _in_place(self, groups: np.ndarray, cls: np.ndarray) -> None:
-        """Count groups compressed where they are (their raw slot keeps its size)."""
+    def _in_place(self, groups: np.ndarray, cls: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Count groups compressed where they are (their raw slot keeps its size); (groups, bytes each wastes)."""
         self.counters["groups_in_place"] += len(groups)
         waste = self.geo.raw_group_bytes - self.alloc.slot_bytes_by_class[cls[groups]]
         self.counters["in_place_waste_bytes"] += int(waste.sum())
+        return np.asarray(groups, dtype=np.int64), waste.astype(np.int64)
 
     def _analyze(self, blocks: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -495,8 +511,10 @@ class ZipPagedKV:
             "pages_held": held,
             "pages_compressed_held": int((self.state == COMPRESSED).sum()),
             "pages_compressed_total": c["pages_compressed"],
-            "groups_in_place": c["groups_in_place"],
+            "groups_in_place": c["groups_in_place"],  # every group ever compressed in place
             "in_place_waste_bytes": c["in_place_waste_bytes"],
+            "groups_in_place_held": int(self._in_place_groups.sum()),  # held now, in pages the pool still holds
+            "in_place_waste_bytes_held": int(self._in_place_bytes.sum()),
             "free_pages": fit,
             "capacity_pages": held + fit,
             "capacity_pages_uncompressed": self.raw_capacity_pages,

@@ -92,6 +92,16 @@ def test_group_tables_follow_the_contract():
         assert torch.equal(vals.view(torch.int16), expect.contiguous().view(torch.int16))
 
 
+def in_place_from_tables(store: ZipPagedKV) -> tuple[int, int]:
+    """Groups held compressed in raw-class chunks (in place), and the bytes that wastes, read off the tables."""
+    held = store.state == COMPRESSED
+    starts, cls = store._starts_host[:, held], store._class_host[:, held]
+    chunk_class = store.alloc.klass[starts // store.alloc.geo.chunk_bytes]
+    inside = (cls > 0) & (chunk_class == 0)
+    waste = store.geo.raw_group_bytes - store.alloc.slot_bytes_by_class[cls[inside]]
+    return int(inside.sum()), int(waste.sum())
+
+
 def test_compression_finishes_in_place_when_no_destination_is_free():
     chunk = GEO.raw_group_bytes * 4
     budget = GEO.num_layers * chunk * 2  # room for 8 raw groups per layer = 2 pages, nothing spare
@@ -102,8 +112,16 @@ def test_compression_finishes_in_place_when_no_destination_is_free():
     assert store.counters["groups_in_place"] > 0
     assert (store.state[[0, 1]] == COMPRESSED).all()
     assert_exact(store, [0, 1], written)
-    store.release_pages([0, 1])
+    st = store.stats()
+    assert (st["groups_in_place_held"], st["in_place_waste_bytes_held"]) == in_place_from_tables(store)
+    assert st["groups_in_place_held"] == store.counters["groups_in_place"] > 0
+    store.release_pages([0])
+    assert (store.stats()["groups_in_place_held"], store.stats()["in_place_waste_bytes_held"]) == \
+        in_place_from_tables(store)
+    store.release_pages([1])
     assert store.free_pages(reserve=False) == 2
+    assert store.stats()["groups_in_place_held"] == store.stats()["in_place_waste_bytes_held"] == 0
+    assert store.counters["groups_in_place"] > 0  # the counter keeps every group ever placed so
 
 
 def stored_bytes_from_descriptors(store: ZipPagedKV, pids: list[int]) -> list[int]:
@@ -131,10 +149,15 @@ def test_compress_in_a_tight_pool_is_exact_and_counts_what_it_stores(spare_chunk
         assert_exact(store, batch, w)
     k, v = stored_bytes_from_descriptors(store, pids)
     assert (store.counters["k_stored_bytes"], store.counters["v_stored_bytes"]) == (k, v)
+    held = lambda: (store.stats()["groups_in_place_held"], store.stats()["in_place_waste_bytes_held"])  # noqa: E731
+    assert held() == in_place_from_tables(store)
+    assert held()[0] <= store.counters["groups_in_place"]
     store.release_pages(pids[::2])
     k, v = stored_bytes_from_descriptors(store, pids[1::2])
     assert (store.counters["k_stored_bytes"], store.counters["v_stored_bytes"]) == (k, v)
+    assert held() == in_place_from_tables(store)
     store.release_pages(pids[1::2])
+    assert held() == (0, 0)
     assert store.alloc.stats()["chunks_owned"] == 0 and store.counters["k_stored_bytes"] == 0
 
 
