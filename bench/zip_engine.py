@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engine_gpu import env  # noqa: E402
 from kvtide import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.engine.attention import AttentionBackend, BatchLayout  # noqa: E402
-from kvtide.engine.cuda_graphs import DecodeGraph  # noqa: E402
+from kvtide.engine.cuda_graphs import DecodeGraph, FullDecodeGraph  # noqa: E402
 from kvtide.engine.model_runner import StepHandle  # noqa: E402
 from kvtide.engine.llm_engine import LLMEngine  # noqa: E402
 from kvtide.models.loader import RANDOM_PRESETS  # noqa: E402
@@ -129,15 +129,17 @@ class HostClock:
         self.spent = {"schedule": 0.0, "layout": 0.0, "plan": 0.0, "launch": 0.0, "compress": 0.0, "wait": 0.0}
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         HostClock.current = self
-        if not getattr(DecodeGraph.run, "_bench_timed", False):  # the forward's launches and its device span
-            run = DecodeGraph.run
+        for cls in (DecodeGraph, FullDecodeGraph):  # the forward's launches and its device span
+            if getattr(cls.run, "_bench_timed", False):
+                continue
+            run = cls.run
 
-            def timed_run(graph, *args, **kw):
+            def timed_run(graph, *args, _run=run, **kw):
                 clock, t = HostClock.current, time.perf_counter()
                 e0 = torch.cuda.Event(enable_timing=True)
                 e0.record()
                 try:
-                    return run(graph, *args, **kw)
+                    return _run(graph, *args, **kw)
                 finally:
                     e1 = torch.cuda.Event(enable_timing=True)
                     e1.record()
@@ -146,7 +148,7 @@ class HostClock:
                         clock.events.append((e0, e1))
 
             timed_run._bench_timed = True
-            DecodeGraph.run = timed_run
+            cls.run = timed_run
         if not getattr(StepHandle.result, "_bench_timed", False):
             result = StepHandle.result
 
@@ -163,18 +165,24 @@ class HostClock:
         self._wrap(eng.scheduler, "schedule", "schedule")
         self._wrap(eng.runner, "layout", "layout")
         self._wrap(eng.runner.attention, "plan", "plan")
+        self._wrap(eng.runner.attention, "plan_graph", "plan")
         if eng.store is not None:  # both halves (store.compress calls them too, so nothing counts twice)
             self._wrap(eng.store, "compress_begin", "compress")
             self._wrap(eng.store, "compress_finish", "compress")
 
     def _wrap(self, obj, name: str, bucket: str) -> None:
         fn = getattr(obj, name)
+        active = self._active = getattr(self, "_active", set())
 
         def timed_call(*args, **kw):
+            if bucket in active:  # plan_graph falling back to plan: counted once
+                return fn(*args, **kw)
+            active.add(bucket)
             t = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
+                active.discard(bucket)
                 self.spent[bucket] += time.perf_counter() - t
 
         setattr(obj, name, timed_call)
@@ -287,6 +295,12 @@ def timed(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: RealKV | 
                                              "device_span")}
                          for kind, want in (("page_steps", True), ("plain_steps", False))
                          if any(paged == want for paged, _ in host)},
+        # steps over 1.3 x the median, one by one: where their host time went (the rest of "step" is the engine's
+        # own bookkeeping: outputs, page commits), to tell a host stall from device work
+        "slow_steps": [{"index": i, "page_step": paged, **{k: round(v * 1e3, 2) for k, v in h.items()},
+                        "other": round((h["step"] - sum(h.get(k, 0.0) for k in ("schedule", "layout", "plan", "launch",
+                                                                                   "compress", "wait"))) * 1e3, 2)}
+                       for i, (paged, h) in enumerate(host) if h["step"] > 1.3 * med],
         "page_step_median_ms": statistics.median(page_steps) * 1e3 if page_steps else None,
         "plain_step_mean_ms": statistics.mean(plain) * 1e3 if plain else None,
         "tokens_per_s": b * len(times) / sum(times), "preemptions": eng.scheduler.num_preemptions - pre0,
@@ -304,7 +318,7 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
     """torch.profiler over `steps` whole-batch decode steps (after the timed runs): where a step's time goes
     on the host (self CPU time per op) and on the device (CUDA time per kernel). ``trace``: also write the
     timeline (Chrome trace, gzipped), where a page step's host ops and device waits can be read one by one."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     warm(eng, prompts, proxy, sync)
     for p in prompts:
@@ -325,7 +339,8 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
     with profile(activities=acts) as prof:
         for _ in range(steps):
             t1 = time.perf_counter()
-            eng.step()
+            with record_function("kvtide.bench_step"):  # step windows for bench/trace_gaps.py
+                eng.step()
             walls.append((time.perf_counter() - t1) * 1e3)
         sync()
     wall = time.perf_counter() - t0
@@ -335,6 +350,9 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
         with open(raw, "rb") as f, gzip.open(trace, "wb") as g:
             g.write(f.read())
         raw.unlink()
+        from bench.trace_gaps import analyze, load
+
+        gaps = analyze(load(trace))  # device idle gaps and what the host did then: see bench/trace_gaps.py
     drain(eng, None, sync, -1)
     ev = prof.key_averages()
 
@@ -351,7 +369,8 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
     return {"batch": len(prompts), "steps": steps, "wall_ms_per_step_profiled": wall / steps * 1e3,
             "step_wall_ms_profiled": walls,
             "device_busy_ms_per_step": busy, "host_ms_per_step_by_phase": ranges,
-            "top_self_cpu": top("self_cpu_time_total"), "top_device": top("self_device_time_total")}
+            "top_self_cpu": top("self_cpu_time_total"), "top_device": top("self_device_time_total"),
+            **({"trace_gaps": gaps} if trace is not None else {})}
 
 
 def compression_seen(eng: LLMEngine) -> dict:
@@ -386,7 +405,8 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
     ``partial(result so far)`` is called after each batch (the caller writes it out)."""
     try:
         llm = LLM(a.model_name, progress=False, device=a.device, dtype=a.dtype, attention_backend=backend, seed=0,
-                  cuda_graphs=a.cuda_graphs, async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
+                  cuda_graphs=a.cuda_graphs, full_cuda_graphs={"auto": None, "whole": True, "piecewise": False}[a.graphs],
+                  async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
                   cache=CacheConfig(kv_cache_bytes=budget, compress=compress, format_version=a.format_version,
                                     compress_spread_steps=a.compress_spread_steps),
                   scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
@@ -441,6 +461,14 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             runs[key]["async_scheduling"] = eng.async_scheduling
             eng.async_scheduling = not eng.async_scheduling
             rows.append((key, runs[key]))
+        if a.other_graph_mode and eng.runner.graphs is not None:  # the same batch with the other kind of graphs
+            eng.runner.full_graphs = not eng.runner.full_graphs
+            key = f"{b}_{'full' if eng.runner.full_graphs else 'piecewise'}_graphs"
+            runs[key] = timed(eng, [prompt(i, a.context, vocab) for i in range(b)], steps, proxy, sync)
+            runs[key]["full_cuda_graphs"] = eng.runner.full_graphs
+            eng.runner.full_graphs = not eng.runner.full_graphs
+            rows.append((key, runs[key]))
+        r["full_cuda_graphs"] = eng.runner.full_graphs
         if partial is not None:
             partial({**out, "largest_batch": largest, "runs": dict(runs)})
         for key, r in rows:
@@ -468,6 +496,7 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
     out["decode_kernel"] = getattr(getattr(eng.runner.attention, "kernel", None), "__name__", eng.runner.attention.name)
     out["value_order"] = eng.store.geo.value_order if compress else None
     out["cuda_graph_captures"] = eng.runner.graphs.captures if eng.runner.graphs is not None else 0
+    out["cuda_graph_whole_step_captures"] = eng.runner.graphs.full_captures if eng.runner.graphs is not None else 0
     if compress:
         out["compression_end"] = compression_seen(eng)
     del llm, eng, proxy
@@ -533,6 +562,11 @@ def main() -> None:
     ap.add_argument("--zip-largest", type=int, default=None,
                     help="zip's largest batch to try first (default: the estimate from its compressed prefixes); "
                          "lowered while it does not run whole")
+    ap.add_argument("--graphs", choices=["auto", "whole", "piecewise"], default="auto",
+                    help="with --cuda-graphs: whole-step graphs (attention captured), piecewise (attention eager "
+                         "between graphs), or each backend's default (EngineConfig.full_cuda_graphs=None)")
+    ap.add_argument("--other-graph-mode", action="store_true",
+                    help="with --cuda-graphs: also time each batch with the other kind of graphs, same engine")
     ap.add_argument("--other-mode", action="store_true",
                     help="also time each batch with async scheduling the other way, on the same engine "
                          "(runs '<batch>_sync' or '<batch>_async')")
@@ -575,6 +609,8 @@ def main() -> None:
                            "batches": batches, "step_tokens": a.step_tokens, "cuda_graphs": a.cuda_graphs,
                            "format_version": a.format_version, "async_scheduling": a.async_scheduling,
                            "other_mode": a.other_mode, "compress_spread_steps": a.compress_spread_steps,
+                           "graphs": a.graphs if a.cuda_graphs else None,
+                           "other_graph_mode": a.other_graph_mode,
                            "page_lookahead": a.page_lookahead,
                            "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
                                            "batch decodes and nothing else runs)"}}

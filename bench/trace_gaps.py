@@ -1,0 +1,188 @@
+"""Where the device waits: read a torch.profiler Chrome trace (``bench/zip_engine.py --profile-trace``) and report
+device busy/idle time per host step, every idle gap with what the host was doing when it began and which launch
+ended it, device time by kernel family, and the host's explicit waits for the device.
+
+Why: under async scheduling a step takes max(host, device) only while the host stays ahead; a step that is longer
+than its device work has gaps, and the gap's host context (a scheduler range, a sync inside compress, ...) names
+the cause. Works on the gzipped or plain JSON; needs nothing but the standard library.
+
+    python bench/trace_gaps.py trace_zip.json.gz [--min-gap-us 20] [--out summary.json]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+STEP = "kvtide.bench_step"  # the bench's range around each engine.step()
+WAITS = r"Synchronize|^cudaMemcpy$|cudaMemcpy2D$|cudaHostAlloc|cudaFreeHost|cudaMallocHost"  # host calls that wait
+
+FAMILIES = [  # (family, regex on the kernel name), first match wins
+    ("zip attention (CUDA)", r"zip_decode|zipfusion|zip_attn"),
+    ("flashinfer attention", r"flashinfer|BatchDecode|MergeStates|merge_state|VariableLengthMerge"),
+    ("zip encode / pack", r"analyze|_pack|zip_encode|pack_kernel"),
+    ("kv write", r"write_paged|write_pool|reshape_and_cache|AppendPaged"),
+    ("gemm", r"gemm|Gemm|cutlass|sm90_xmma|nvjet|cublas|splitKreduce"),
+    ("norm", r"rms|norm"),
+    ("softmax / sampling", r"softmax|argmax|topk|sort|reduce_kernel"),
+    ("copy / index", r"index|gather|scatter|copy|Copy|cat_|CatArray"),
+    ("memcpy", r"^Memcpy"),
+    ("memset", r"^Memset"),
+    ("elementwise", r"elementwise|vectorized|unrolled"),
+]
+
+
+def family(name: str) -> str:
+    for fam, rx in FAMILIES:
+        if re.search(rx, name):
+            return fam
+    return "other"
+
+
+class Ranges:
+    """Host ranges of one thread, for 'innermost range containing t'."""
+
+    def __init__(self, events: list[dict]):
+        ev = sorted(events, key=lambda e: e["ts"])
+        self.ts = [e["ts"] for e in ev]
+        self.ev = ev
+        self.longest = max((e.get("dur", 0) for e in ev), default=0)
+
+    def at(self, t: float) -> list[str]:
+        """Names of the ranges containing t, outermost first."""
+        i = bisect.bisect_right(self.ts, t)
+        hits = []
+        while i > 0:
+            i -= 1
+            e = self.ev[i]
+            if t - e["ts"] > self.longest:
+                break
+            if e["ts"] <= t < e["ts"] + e.get("dur", 0):
+                hits.append(e)
+        hits.sort(key=lambda e: -e.get("dur", 0))
+        return [e["name"] for e in hits]
+
+
+def _ours(ranges: list[str]) -> list[str]:
+    """kvtide's named ranges among ``ranges`` (the bench's step range left out: it holds everything)."""
+    return [r for r in ranges if r.startswith("kvtide.") and r != STEP]
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def merge(intervals: list[tuple[float, float, dict]]) -> list[tuple[float, float, dict]]:
+    """Union of device intervals: (start, end, the event that starts it)."""
+    out: list[list] = []
+    for s, e, ev in sorted(intervals, key=lambda x: x[0]):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e, ev])
+    return [(s, e, ev) for s, e, ev in out]
+
+
+def analyze(events: list[dict], min_gap_us: float = 20.0, top: int = 25) -> dict:
+    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    runtime = {(e.get("args") or {}).get("correlation"): e for e in calls}
+    steps = [e for e in events if e.get("ph") == "X" and e.get("name") == STEP and e.get("cat") == "user_annotation"]
+    if not steps:
+        raise SystemExit(f"no '{STEP}' ranges in the trace: profile with bench/zip_engine.py --profile-steps")
+    tid = steps[0]["tid"]
+    annos = Ranges([e for e in events if e.get("ph") == "X" and e.get("tid") == tid
+                    and e.get("cat") in ("user_annotation", "cpu_op", "cuda_runtime", "cuda_driver")])
+    t0 = min(s["ts"] for s in steps)
+    t1 = max(s["ts"] + s["dur"] for s in steps)
+    busy_iv = merge([(e["ts"], e["ts"] + e.get("dur", 0), e) for e in dev])
+    busy = sum(min(e, t1) - max(s, t0) for s, e, _ in busy_iv if e > t0 and s < t1)
+    gaps = []
+    for (s0, e0, _), (s1, e1, ev1) in zip(busy_iv, busy_iv[1:]):
+        g = s1 - e0
+        if g < min_gap_us or e0 < t0 or s1 > t1:
+            continue
+        launch = runtime.get((ev1.get("args") or {}).get("correlation"))
+        gaps.append({
+            "start_us": round(e0 - t0, 1), "gap_us": round(g, 1),
+            "host_at_start": annos.at(e0)[-5:],
+            "next_device_op": ev1["name"][:80],
+            "launched_by": launch["name"] if launch else None,
+            "launch_host_ranges": annos.at(launch["ts"])[-5:] if launch else None,
+            "launch_after_gap_start_us": round(launch["ts"] - e0, 1) if launch else None,
+        })
+    by_start: dict[str, float] = defaultdict(float)
+    by_launch: dict[str, float] = defaultdict(float)
+    for g in gaps:
+        kv = _ours(g["host_at_start"])
+        fallback = g["host_at_start"][-1] if g["host_at_start"] else "(no host range)"
+        by_start[" > ".join(kv[-2:]) or fallback] += g["gap_us"]
+        kl = _ours(g["launch_host_ranges"] or [])
+        by_launch[" > ".join(kl[-2:]) or "(unknown)"] += g["gap_us"]
+    fam: dict[str, float] = defaultdict(float)
+    names: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in dev:
+        if t0 <= e["ts"] < t1:
+            fam[family(e["name"])] += e.get("dur", 0)
+            n = names[e["name"][:100]]
+            n[0] += 1
+            n[1] += e.get("dur", 0)
+    waits: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in calls:
+        if t0 <= e["ts"] < t1 and re.search(WAITS, e["name"]):
+            where = _ours(annos.at(e["ts"]))
+            w = waits[f"{e['name']} in {' > '.join(where[-2:]) or '(no kvtide range)'}"]
+            w[0] += 1
+            w[1] += e.get("dur", 0)
+    n = len(steps)
+    per_step = []
+    for s in sorted(steps, key=lambda e: e["ts"]):
+        a, b = s["ts"], s["ts"] + s["dur"]
+        on = sum(min(e, b) - max(st, a) for st, e, _ in busy_iv if e > a and st < b)
+        per_step.append({"host_ms": round(s["dur"] / 1e3, 3), "device_busy_ms": round(on / 1e3, 3)})
+    return {
+        "steps": n, "window_ms": round((t1 - t0) / 1e3, 3), "ms_per_step": round((t1 - t0) / 1e3 / n, 3),
+        "device_busy_ms_per_step": round(busy / 1e3 / n, 3),
+        "device_idle_ms_per_step": round((t1 - t0 - busy) / 1e3 / n, 3),
+        "gaps_over_min": len(gaps), "min_gap_us": min_gap_us,
+        "gap_ms_per_step_by_host_range_at_start": {k: round(v / 1e3 / n, 3) for k, v in
+                                                   sorted(by_start.items(), key=lambda x: -x[1])},
+        "gap_ms_per_step_by_range_of_late_launch": {k: round(v / 1e3 / n, 3) for k, v in
+                                                    sorted(by_launch.items(), key=lambda x: -x[1])},
+        "largest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:top],
+        "device_ms_per_step_by_family": {k: round(v / 1e3 / n, 3) for k, v in sorted(fam.items(), key=lambda x: -x[1])},
+        "top_device_ops": [{"name": k, "calls_per_step": round(c / n, 2), "ms_per_step": round(t / 1e3 / n, 3)}
+                           for k, (c, t) in sorted(names.items(), key=lambda x: -x[1][1])[:top]],
+        "host_waits": {k: {"calls": c, "ms_per_step": round(t / 1e3 / n, 3)} for k, (c, t) in
+                       sorted(waits.items(), key=lambda x: -x[1][1])},
+        "per_step": per_step,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--min-gap-us", type=float, default=20.0)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    r = analyze(load(a.trace), a.min_gap_us, a.top)
+    text = json.dumps(r, indent=1)
+    if a.out:
+        a.out.write_text(text)
+    short = {k: v for k, v in r.items() if k not in ("per_step", "largest_gaps", "top_device_ops")}
+    print(json.dumps(short, indent=1))
+    for g in r["largest_gaps"][:10]:
+        print(g)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""bench/trace_gaps.py on a hand-made trace: busy/idle sums, the gap's host context and late launch, waits."""
+import gzip
+import json
+
+from bench.trace_gaps import analyze, load
+
+
+def _x(name, cat, ts, dur, tid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+
+def _trace():
+    ev = [
+        _x("kvtide.bench_step", "user_annotation", 0, 1000),
+        _x("kvtide.bench_step", "user_annotation", 1000, 1000),
+        _x("kvtide.compress", "user_annotation", 100, 500),
+        _x("cudaEventSynchronize", "cuda_runtime", 150, 200),
+        _x("kvtide.model", "user_annotation", 700, 200),
+        _x("cudaLaunchKernel", "cuda_runtime", 750, 5, correlation=7),
+        _x("cudaLaunchKernel", "cuda_runtime", 50, 5, correlation=6),
+        _x("cudaLaunchKernel", "cuda_runtime", 1100, 5, correlation=8),
+        # device: busy 0-400 (two overlapping ops), idle 400-800, busy 800-1900
+        _x("nvjet_gemm_tn", "kernel", 0, 300, tid=9, correlation=6),
+        _x("zip_decode_kernel", "kernel", 250, 150, tid=9, correlation=6),
+        _x("write_pool_kernel", "kernel", 800, 300, tid=9, correlation=7),
+        _x("analyze_kernel", "kernel", 1100, 800, tid=9, correlation=8),
+    ]
+    return ev
+
+
+def test_gap_found_with_host_context_and_late_launch():
+    r = analyze(_trace(), min_gap_us=20)
+    assert r["steps"] == 2
+    assert r["window_ms"] == 2.0
+    assert abs(r["device_busy_ms_per_step"] - (400 + 1100) / 1e3 / 2) < 1e-9
+    assert abs(r["device_idle_ms_per_step"] - 0.25) < 1e-9  # 400-800 and 1900-2000 idle; only the first is a gap
+    [g] = r["largest_gaps"]
+    assert g["gap_us"] == 400 and g["start_us"] == 400
+    assert g["host_at_start"][-1] == "kvtide.compress"
+    assert g["launched_by"] == "cudaLaunchKernel"
+    assert g["launch_host_ranges"][-2:] == ["kvtide.model", "cudaLaunchKernel"]
+    assert g["launch_after_gap_start_us"] == 350
+    fam = r["device_ms_per_step_by_family"]
+    assert fam["gemm"] == 0.15 and fam["zip attention (CUDA)"] == 0.075 and fam["kv write"] == 0.15
+    assert fam["zip encode / pack"] == 0.4
+    [(k, w)] = r["host_waits"].items()
+    assert k == "cudaEventSynchronize in kvtide.compress" and w["calls"] == 1 and w["ms_per_step"] == 0.1
+    assert [s["device_busy_ms"] for s in r["per_step"]] == [0.6, 0.9]
+
+
+def test_load_gzipped(tmp_path):
+    p = tmp_path / "t.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": _trace()}, f)
+    assert len(load(p)) == len(_trace())
