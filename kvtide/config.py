@@ -47,7 +47,13 @@ class CacheConfig:
     # Triton one and every torch path; "auto" = "mma" where the CUDA kernel can serve the model on this device
     value_order: str = "auto"
     chunk_bytes: int | None = None  # pool chunk size; default: sized from the budget (zip_pages.auto_chunk_bytes)
-    private_chunks: int = 1  # chunks each layer keeps for itself; the rest are shared across layers
+    private_chunks: int = 1  # chunks each slab owner keeps for itself; the rest are shared across owners
+    # pool chunks owned by a size class for all layers instead of by a (layer, size class) slab (kvtide/cache/pool.py):
+    # one layer's free slots serve every layer, one partly used chunk per class instead of one per layer and class.
+    # On the CPU replay of the H200 engine run's pool (bench/zip_page_steps.py, real-KV block classes, 52 then 66
+    # sequences of 8K tokens): 35,365 pages held against 34,772 (+1.7%), 66 without the preemption per-layer slabs
+    # had (bench/results/zip_page_steps_cpu_slabs_real_kv_*.json); host bookkeeping no slower
+    shared_slabs: bool = True
     # decode steps place the pages one step filled over this many steps (1: all in the next step): a batch in
     # lockstep fills a page per sequence in the same step, and placing them all at once made that step host-bound
     compress_spread_steps: int = 4

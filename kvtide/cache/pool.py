@@ -13,6 +13,11 @@ in place (counted by the store). Free raw slots are not waste: new pages take th
 that empties returns at once (reads only happen inside a step, frees only between steps or after its
 reads): to its layer's private list if it is one of the layer's private chunks, else to the shared list.
 
+Shared slabs (``PoolGeometry.shared_slabs``): chunks are owned by a size class for all layers at once, so a
+layer's free slots serve every layer and there is one partly used chunk per class instead of one per layer and
+class. Readers only follow the lookup tables' byte offsets, so nothing else changes; "layer" below then means the
+one owner all layers share.
+
 Capacity (``new_pages_fit``): how many new pages fit across all layers at their raw size, i.e. how many
 times every layer can still get ``groups_per_page`` class-0 slots: from free class-0 slots of its own,
 then its free private chunks, then shared chunks, which all layers compete for. With ``reserve=True``
@@ -39,11 +44,19 @@ class PoolGeometry:
     block_size: int  # values per block
     chunk_bytes: int
     num_chunks: int
-    private_chunks: int  # per layer
+    private_chunks: int  # per slab owner (a layer, or all layers with shared_slabs)
+    # chunks owned by a size class for all layers (one owner) instead of by a (layer, class): free slots of one
+    # layer serve every layer, so there is one partly used chunk per class instead of one per layer and class
+    shared_slabs: bool = False
+
+    @property
+    def num_owners(self) -> int:
+        """Who owns chunks: each layer, or with ``shared_slabs`` all layers as one."""
+        return 1 if self.shared_slabs else self.num_layers
 
     def __post_init__(self) -> None:
-        if self.num_chunks < self.num_layers * self.private_chunks:
-            raise ValueError(f"{self.num_chunks} chunks cannot give {self.num_layers} layers "
+        if self.num_chunks < self.num_owners * self.private_chunks:
+            raise ValueError(f"{self.num_chunks} chunks cannot give {self.num_owners} slab owner(s) "
                              f"{self.private_chunks} private chunk(s) each; raise the KV budget or lower private_chunks")
         if self.chunk_bytes % zb.ALIGN or self.chunk_bytes < self.slot_bytes(0):
             raise ValueError(f"chunk_bytes {self.chunk_bytes} must be a multiple of {zb.ALIGN} holding a raw group "
@@ -66,24 +79,26 @@ class ChunkPool:
 
     def __init__(self, geo: PoolGeometry):
         self.geo = geo
-        n, nl = geo.num_chunks, geo.num_layers
-        self.owner = np.full(n, -1, dtype=np.int64)  # layer owning each chunk, -1 free
+        n, nl = geo.num_chunks, geo.num_owners
+        # a layer's slab owner: itself, or 0 for every layer with shared slabs
+        self._owner_of = [0] * geo.num_layers if geo.shared_slabs else list(range(geo.num_layers))
+        self.owner = np.full(n, -1, dtype=np.int64)  # slab owner (layer, or 0 when shared) of each chunk, -1 free
         self.klass = np.full(n, -1, dtype=np.int64)
         self.used = np.zeros(n, dtype=np.int64)  # slots in use per chunk
-        self.private_of = np.full(n, -1, dtype=np.int64)  # layer a chunk is private to, -1 shared
+        self.private_of = np.full(n, -1, dtype=np.int64)  # owner a chunk is private to, -1 shared
         self.slot_free: list[list[int]] = [[] for _ in range(n)]  # free slot indices of owned chunks
-        # Private chunks: the first private_chunks * num_layers chunks, layer-major.
+        # Private chunks: the first private_chunks * num_owners chunks, owner-major.
         self.private_free: list[list[int]] = []
         for layer in range(nl):
             ids = list(range(layer * geo.private_chunks, (layer + 1) * geo.private_chunks))
             self.private_of[ids] = layer
             self.private_free.append(ids[::-1])
         self.shared_free: list[int] = list(range(nl * geo.private_chunks, n))[::-1]
-        # Non-full chunks of each (layer, class), and free class-0 slots per layer (for capacity).
+        # Non-full chunks of each (owner, class), and free class-0 slots per owner (for capacity).
         self.open: list[list[set[int]]] = [[set() for _ in range(geo.num_classes)] for _ in range(nl)]
         self.raw_free_slots = np.zeros(nl, dtype=np.int64)
         self.chunks_returned = 0  # chunks that emptied and went back to a free list
-        self.shared_reuses = 0  # shared chunks taken by a layer other than the one that last held them
+        self.shared_reuses = 0  # shared chunks taken by an owner other than the one that last held them
         self.last_owner = np.full(n, -1, dtype=np.int64)
         self._slot_bytes = [geo.slot_bytes(k) for k in range(geo.num_classes)]  # per class, looked up per slot
         self.slot_bytes_by_class = np.array(self._slot_bytes, dtype=np.int64)  # for numpy lookups
@@ -93,6 +108,7 @@ class ChunkPool:
 
     # ---- allocation -------------------------------------------------------------------------
     def _take_chunk(self, layer: int, k: int) -> int | None:
+        """A free chunk for owner ``layer`` (an owner index, see ``_owner_of``) as a new slab chunk of class k."""
         if self.private_free[layer]:
             c = self.private_free[layer].pop()
         elif self.shared_free:
@@ -111,12 +127,14 @@ class ChunkPool:
 
     def can_alloc(self, layer: int, k: int) -> bool:
         """Whether ``alloc(layer, k, n)`` would give anything: an open chunk of that slab, or a free chunk."""
-        return bool(self.open[layer][k] or self.private_free[layer] or self.shared_free)
+        o = self._owner_of[layer]
+        return bool(self.open[o][k] or self.private_free[o] or self.shared_free)
 
     def alloc(self, layer: int, k: int, count: int) -> np.ndarray:
         """Byte offsets of up to ``count`` slots of class k for ``layer`` (fewer if the pool runs dry)."""
         if count <= 0 or not self.can_alloc(layer, k):  # a full pool: compression asks this hundreds of times a step
             return np.zeros(0, dtype=np.int64)
+        layer = self._owner_of[layer]  # from here on the slab's owner
         chunks = self.open[layer][k]
         # Fullest open chunks first (ties in set order), then new chunks. Sorted once: a chunk is visited at most
         # once per call (it fills up or the request is met), so this is the order re-picking the fullest gives.
@@ -201,28 +219,30 @@ class ChunkPool:
             self.shared_free.append(c)
 
     # ---- capacity -----------------------------------------------------------------------------
-    def _reserved_per_layer(self) -> np.ndarray:
-        """Per layer: compressed-class slabs with no free slot (each may need one chunk at the next compression)."""
-        return np.array([sum(1 for k in range(1, self.geo.num_classes) if not self.open[l][k])
-                         for l in range(self.geo.num_layers)], dtype=np.int64)
+    def _reserved_per_owner(self) -> np.ndarray:
+        """Per slab owner: compressed-class slabs with no free slot (each may need one chunk at the next
+        compression)."""
+        return np.array([sum(1 for k in range(1, self.geo.num_classes) if not self.open[o][k])
+                         for o in range(self.geo.num_owners)], dtype=np.int64)
 
     def new_pages_fit(self, reserve: bool = True) -> int:
         """How many new raw pages (``groups_per_page`` class-0 slots in every layer) fit now."""
         g = self.geo
         s0 = g.slots_per_chunk(0)
+        per_page = g.groups_per_page * (g.num_layers // g.num_owners)  # class-0 slots a page takes of each owner
         priv = np.array([len(p) for p in self.private_free], dtype=np.int64)
-        extra = self._reserved_per_layer() if reserve else np.zeros(g.num_layers, dtype=np.int64)
+        extra = self._reserved_per_owner() if reserve else np.zeros(g.num_owners, dtype=np.int64)
         shared = len(self.shared_free)
 
         def fits(n: int) -> bool:
-            need_slots = np.maximum(0, n * g.groups_per_page - self.raw_free_slots)
+            need_slots = np.maximum(0, n * per_page - self.raw_free_slots)
             chunks = -(-need_slots // s0) + extra
             return int(np.maximum(0, chunks - priv).sum()) <= shared
 
         if not fits(0):
             return 0
         lo = 0
-        hi = int((shared + priv.sum()) * s0 // g.groups_per_page + self.raw_free_slots.max() // g.groups_per_page) + 1
+        hi = int((shared + priv.sum()) * s0 // per_page + self.raw_free_slots.max() // per_page) + 1
         while lo < hi:  # largest n with fits(n); fits is monotone in n
             mid = (lo + hi + 1) // 2
             if fits(mid):

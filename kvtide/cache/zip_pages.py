@@ -4,7 +4,8 @@ STORAGE CONTRACT (what attention backends and kernels read; keep to it exactly)
 -------------------------------------------------------------------------------
 * ``pool``: ONE contiguous uint8 tensor per device holding every KV byte of every layer (view it as int16 or
   int32 for wide loads; its length is a multiple of 16). It is cut into chunks of ``chunk_bytes``; a chunk
-  belongs to one layer at a time (see :mod:`kvtide.cache.pool`).
+  belongs to one layer at a time, or with shared slabs to one size class of every layer (see
+  :mod:`kvtide.cache.pool`).
 * A *group* is (layer, page, kv_head, K|V): ``page_size x head_dim`` BF16 values in the store's value order
   (``geo.value_order``, :mod:`kvtide.cache.zip_order`: "token" = [token, dim], value index = token * head_dim + dim;
   "mma" = the CUDA kernel's fragment order), cut into ``blocks_per_group`` blocks of ``block_size`` values
@@ -131,7 +132,7 @@ class ZipPagedKV:
     tokens, compress filled pages, rebuild pages as BF16, capacity and statistics."""
 
     def __init__(self, geo: ZipGeometry, budget_bytes: int, device: torch.device | str = "cpu",
-                 chunk_bytes: int | None = None, private_chunks: int = 1):
+                 chunk_bytes: int | None = None, private_chunks: int = 1, shared_slabs: bool = True):
         self.geo = geo
         self.device = torch.device(device)
         chunk_bytes = chunk_bytes or auto_chunk_bytes(geo, budget_bytes)
@@ -139,7 +140,7 @@ class ZipPagedKV:
         if num_chunks < 1:
             raise ValueError(f"KV budget {budget_bytes} B is smaller than one chunk ({chunk_bytes} B)")
         self.alloc = ChunkPool(PoolGeometry(geo.num_layers, geo.groups_per_page, geo.blocks_per_group,
-                                            geo.block_size, chunk_bytes, num_chunks, private_chunks))
+                                            geo.block_size, chunk_bytes, num_chunks, private_chunks, shared_slabs))
         self.pool = torch.zeros(num_chunks * chunk_bytes, dtype=torch.uint8, device=self.device)
         self._pool16 = self.pool.view(torch.int16)
         # Raw slots start on raw-group boundaries when a chunk holds a whole number of them (auto_chunk_bytes

@@ -106,7 +106,8 @@ class LLMEngine:
                                        budget)
             order = "token" if why or self.config.attention_backend == "torch" else "mma"
         geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, c.page_size, c.block_size, c.format_version, order)
-        return ZipPagedKV(geo, budget, device, chunk_bytes=c.chunk_bytes, private_chunks=c.private_chunks)
+        return ZipPagedKV(geo, budget, device, chunk_bytes=c.chunk_bytes, private_chunks=c.private_chunks,
+                          shared_slabs=c.shared_slabs)
 
     @property
     def num_pages(self) -> int:

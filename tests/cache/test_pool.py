@@ -181,7 +181,8 @@ def test_store_places_every_group_as_the_loops_did_in_a_tight_pool(seed: int) ->
     leave the pool, the tables and every counter exactly as the old loops do, step by step."""
     geo = ZipGeometry(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, block_size=256)
     chunk = geo.raw_group_bytes * 4
-    kw = dict(budget_bytes=geo.num_layers * chunk * 3 + 5 * chunk, chunk_bytes=chunk, private_chunks=2)
+    kw = dict(budget_bytes=geo.num_layers * chunk * 3 + 5 * chunk, chunk_bytes=chunk, private_chunks=2,
+              shared_slabs=False)  # the old loops knew only slabs per layer
     new, old = ZipPagedKV(geo, **kw), LoopPlaceStore(geo, **kw)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -247,3 +248,69 @@ def test_placement_that_runs_dry_part_way_through_the_raw_chunks_equals_the_loop
     assert np.array_equal(new_a, new_b) and ca == cb
     assert_same_state(a, b)
     assert ca["groups_in_place"] == 3 and (new_a != old).sum() == 9
+
+
+def _live_slots_disjoint_and_in_their_class(pool: ChunkPool, held: dict[int, int]) -> None:
+    """Every held slot (offset -> class) lies inside a chunk owned with that class, no two overlap, and the free
+    class-0 slot counts equal what the owned raw chunks hold free."""
+    g = pool.geo
+    spans = sorted((off, off + g.slot_bytes(k)) for off, k in held.items())
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:])), "two live slots overlap"
+    for off, k in held.items():
+        c = off // g.chunk_bytes
+        assert pool.owner[c] >= 0 and pool.klass[c] == k and off + g.slot_bytes(k) <= (c + 1) * g.chunk_bytes
+    for o in range(g.num_owners):
+        free0 = sum(len(pool.slot_free[c]) for c in np.flatnonzero((pool.owner == o) & (pool.klass == 0)))
+        assert pool.raw_free_slots[o] == free0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["layer-slabs", "shared-slabs"])
+@pytest.mark.parametrize("seed", range(4))
+def test_new_pages_fit_is_exactly_what_allocation_gives(seed: int, shared: bool) -> None:
+    """Random allocations and frees over all layers and classes; at every step the capacity figure is checked
+    against doing it: ``new_pages_fit(False)`` whole pages (``groups_per_page`` raw slots in every layer) can be
+    allocated on a copy of the pool, one page more cannot. Held slots never overlap and stay in chunks of their
+    class, with slabs per layer or shared by all layers."""
+    import copy
+
+    rng = np.random.default_rng(seed)
+    geo = PoolGeometry(num_layers=3, groups_per_page=4, blocks_per_group=4, block_size=32, chunk_bytes=256 * 7,
+                       num_chunks=24, private_chunks=1, shared_slabs=shared)
+    pool = ChunkPool(geo)
+    held: dict[int, int] = {}
+    for _ in range(150):
+        if held and rng.random() < 0.4:
+            give = rng.choice(np.fromiter(held, dtype=np.int64), rng.integers(1, len(held) + 1), replace=False)
+            pool.free(give)
+            for off in give.tolist():
+                del held[off]
+        else:
+            layer, k, n = int(rng.integers(3)), int(rng.integers(geo.num_classes)), int(rng.integers(0, 30))
+            held.update((off, k) for off in pool.alloc(layer, k, n).tolist())
+        _live_slots_disjoint_and_in_their_class(pool, held)
+        fit = pool.new_pages_fit(False)
+        for pages, ok in ((fit, True), (fit + 1, False)):
+            trial = copy.deepcopy(pool)
+            got = [len(trial.alloc(layer, 0, pages * geo.groups_per_page)) for layer in range(geo.num_layers)]
+            assert (got == [pages * geo.groups_per_page] * geo.num_layers) == ok, (pages, got)
+        assert pool.new_pages_fit() <= fit
+    assert pool.chunks_returned > 0
+
+
+def test_shared_slabs_let_every_layer_use_free_raw_slots() -> None:
+    """Four raw slots a chunk, a page = 2 raw groups in each of 2 layers, 3 chunks. Per-layer slabs: each layer's
+    chunk holds its groups of 2 pages, and a third page needs a chunk for each layer: 2 pages fit. Shared, a page
+    fills one chunk: 3 pages. And a layer's free slots serve another layer: after layer 0's first groups are freed
+    in a full pool, layer 1 can take their slots."""
+    out = {}
+    for shared in (False, True):
+        geo = PoolGeometry(num_layers=2, groups_per_page=2, blocks_per_group=2, block_size=512, chunk_bytes=2048 * 4,
+                           num_chunks=3, private_chunks=0, shared_slabs=shared)
+        assert geo.slots_per_chunk(0) == 4
+        pool = ChunkPool(geo)
+        out[shared] = pool.new_pages_fit(False)
+        first = [pool.alloc(layer, 0, 2) for layer in range(2)]
+        pool.alloc(0, 0, 100), pool.alloc(1, 0, 100)  # the pool full of raw groups
+        pool.free(first[0])
+        assert len(pool.alloc(1, 0, 2)) == (2 if shared else 0)
+    assert out == {False: 2, True: 3}

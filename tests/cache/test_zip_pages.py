@@ -130,14 +130,17 @@ def stored_bytes_from_descriptors(store: ZipPagedKV, pids: list[int]) -> list[in
     return sizes.sum(dim=(0, 1, 2, 4)).tolist()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["layer-slabs", "shared-slabs"])
 @pytest.mark.parametrize("tail", [0, 768], ids=["raw-aligned-chunks", "chunks-with-a-tail"])
 @pytest.mark.parametrize("spare_chunks", [0, 1, 3, 12])
-def test_compress_in_a_tight_pool_is_exact_and_counts_what_it_stores(spare_chunks, tail):
+def test_compress_in_a_tight_pool_is_exact_and_counts_what_it_stores(spare_chunks, tail, shared):
     """From no room at all (in place) through partly short (one allocation per class falls short, the rest go
     chunk by chunk) to roomy: bytes exact, the stored-byte counters equal the descriptors, nothing leaks. Chunks
-    with a tail (not a whole number of raw groups) take the per-value path for zeroing and staging raw groups."""
+    with a tail (not a whole number of raw groups) take the per-value path for zeroing and staging raw groups.
+    With shared slabs the layers' groups share chunks of a class."""
     chunk = GEO.raw_group_bytes * 4 + tail
-    store = ZipPagedKV(GEO, GEO.num_layers * chunk * 4 + spare_chunks * chunk, chunk_bytes=chunk, private_chunks=2)
+    store = ZipPagedKV(GEO, GEO.num_layers * chunk * 4 + spare_chunks * chunk, chunk_bytes=chunk, private_chunks=2,
+                       shared_slabs=shared)
     assert (store._raw_rows is None) == bool(tail)
     pids = list(range(store.free_pages(reserve=False)))
     written = {}
@@ -214,8 +217,11 @@ def test_bad_geometry_and_config_fail_fast():
         CacheConfig(compress=True, kv_dtype="float32")
     with pytest.raises(ValueError, match="format_version"):
         CacheConfig(compress=True, format_version=3)
-    with pytest.raises(ValueError, match="private"):
-        ZipPagedKV(GEO, budget_bytes=2 * GEO.raw_page_bytes, chunk_bytes=GEO.raw_page_bytes, private_chunks=1)
+    with pytest.raises(ValueError, match="private"):  # a private chunk for each layer's slabs: more than there are
+        ZipPagedKV(GEO, budget_bytes=2 * GEO.raw_page_bytes, chunk_bytes=GEO.raw_page_bytes, private_chunks=1,
+                   shared_slabs=False)
+    with pytest.raises(ValueError, match="private"):  # shared slabs: one owner, still more than there are
+        ZipPagedKV(GEO, budget_bytes=2 * GEO.raw_page_bytes, chunk_bytes=GEO.raw_page_bytes, private_chunks=3)
     assert np.isfinite(CacheConfig().block_size)
 
 

@@ -69,23 +69,27 @@ def test_pool_bytes_decode_to_exactly_the_kv_written(runs, kind):
     assert (store.group_desc_all[:, pz] != 0xFF).float().mean() > 0.7  # most blocks are really compressed
 
 
-def small_llm():
+def small_llm(shared_slabs: bool = False):
     """A pool of 4 raw pages and 8-token steps: chunked prefill, queueing and preemption all happen."""
-    return engine_llm(SMOL, cache=CacheConfig(compress=True, num_pages=4),
+    return engine_llm(SMOL, cache=CacheConfig(compress=True, num_pages=4, shared_slabs=shared_slabs),
                       scheduler=SchedulerConfig(max_num_batched_tokens=8))
 
 
-def test_small_pool_preempts_and_chunked_prefill_keeps_tokens(runs):
-    ref = runs["dense"][1]
-    llm = small_llm()
+@pytest.mark.parametrize("shared_slabs", [False, True])
+def test_small_pool_preempts_and_chunked_prefill_keeps_tokens(runs, shared_slabs):
+    """24 tokens each (10 preempt already with a slab per layer; shared slabs hold a page more, 24 preempt both)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in runs["dense"][0].generate([PROMPTS[0], PROMPTS[2]], params)]
+    llm = small_llm(shared_slabs)
     before = llm.engine.scheduler.num_preemptions
-    outs = llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY)
-    assert [o.token_ids for o in outs] == [ref[0], ref[2]]
-    assert llm.engine.scheduler.num_preemptions > before, "two 2-page requests in a 2-3 page pool must preempt"
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], params)
+    assert [o.token_ids for o in outs] == ref
+    assert llm.engine.scheduler.num_preemptions > before, "two 3-page requests in a 3-4 page pool must preempt"
 
 
-def test_long_requests_fill_the_pool_without_over_commit():
-    llm = small_llm()
+@pytest.mark.parametrize("shared_slabs", [False, True])
+def test_long_requests_fill_the_pool_without_over_commit(shared_slabs):
+    llm = small_llm(shared_slabs)
     eng = llm.engine
     text = "Yaks and llamas carry loads across the high passes; " * 3
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -106,25 +110,30 @@ def test_long_requests_fill_the_pool_without_over_commit():
 
 
 def test_capacity_grows_with_compression_on_real_kv(runs):
-    """Real pages of the fixed cache, written into a fresh pool until it is full: more pages than raw fit."""
+    """Real pages of the fixed cache, written into a fresh pool until it is full: more pages than raw fit, and
+    with slabs shared by all layers at least as many as with a slab per layer and class."""
     dense = runs["dense"][0].engine
     pids = sorted(dense.block_manager.hash_to_page.values())
     a = dense.model.args
     geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, 16)
-    store = ZipPagedKV(geo, budget_bytes=48 * geo.raw_page_bytes)
-    slots = torch.arange(16)
-    n = 0
-    while store.free_pages() > 0:
-        store.alloc_pages([n])
-        src = pids[n % len(pids)]
-        for layer in range(a.num_layers):
-            kv = dense.runner.kv_caches[layer][src]  # [2, page, heads, dim]
-            store.write(layer, kv[0], kv[1], slots + n * 16)
-        store.compress([n])
-        n += 1
-    s = store.stats()
-    assert s["pages_held"] == n > 1.15 * store.raw_capacity_pages, s
-    assert s["capacity_pages"] > s["capacity_pages_uncompressed"]
+    held = {}
+    for shared in (False, True):
+        store = ZipPagedKV(geo, budget_bytes=48 * geo.raw_page_bytes, shared_slabs=shared)
+        slots = torch.arange(16)
+        n = 0
+        while store.free_pages() > 0:
+            store.alloc_pages([n])
+            src = pids[n % len(pids)]
+            for layer in range(a.num_layers):
+                kv = dense.runner.kv_caches[layer][src]  # [2, page, heads, dim]
+                store.write(layer, kv[0], kv[1], slots + n * 16)
+            store.compress([n])
+            n += 1
+        s = store.stats()
+        assert s["pages_held"] == n > 1.15 * store.raw_capacity_pages, s
+        assert s["capacity_pages"] > s["capacity_pages_uncompressed"]
+        held[shared] = n
+    assert held[True] >= held[False], held
 
 
 def test_qwen_greedy_tokens_equal_with_and_without_compression():
