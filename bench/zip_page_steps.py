@@ -38,6 +38,9 @@ Modes (each rebuilds the history, ~4-8 min, unless resumed from a snapshot; ~5 G
     # the host bookkeeping alone, old and new classes replayed on copies of the same state at each page step:
     python bench/zip_page_steps.py --resume /tmp/new.pt --replay /tmp/old --no-trace --out replay.json
     python bench/zip_page_steps.py --out /tmp/p.json --profile                                   # cProfile
+    # the GPU run's block classes (its --real-kv capture, the store's mma order) and the pool's slab ownership:
+    python bench/zip_page_steps.py --batches 52,66 --no-trace --real-kv bench/data/real_kv.safetensors \
+        --shared-slabs 0 --out /tmp/layer.json                                                 # 1: shared slabs
     python bench/zip_page_steps.py --out /tmp/s.json --layers 4 --context 1024 --steps 64 --batches 6,8 \
         --budget-seqs 7 --step-tokens 2048                                                      # seconds
 """
@@ -117,14 +120,55 @@ def mix(x: torch.Tensor) -> torch.Tensor:
     return (x & 0xFFFFFF).double() / float(1 << 24)
 
 
-class KVWriter:
-    """K/V of a step's tokens: 1.0 everywhere, and 2^40 in dim 0 of every token of a block picked incompressible."""
+def real_raw_patterns(path: str, order: str, block_size: int, version: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per group of a real-KV capture (bench/zip_attention.py --capture: [rows, 128] K and V, 16 rows a group, the
+    GPU engine bench's bank): which of its blocks stay raw, as stored in ``order`` and coded by format ``version``.
+    bool [groups, blocks] for K and V, and the class shares (groups by compressed-block count)."""
+    from safetensors import safe_open
 
-    def __init__(self, heads: int, head_dim: int, block_tokens: int, p_raw: tuple[float, float], p_raw_decode: float):
+    from kvtide.cache import zip_order
+    from kvtide.cache import zipblocks as zb
+
+    with safe_open(path, "pt") as f:
+        rows = [f.get_tensor("k_rows"), f.get_tensor("v_rows")]
+    d = rows[0].shape[1]
+    n = rows[0].shape[0] // PAGE
+    idx = zip_order.stored_to_natural(order, PAGE, d)  # [2, PAGE * d]
+    out, shares = [], {}
+    for kind, name in ((0, "k"), (1, "v")):
+        groups = rows[kind][: n * PAGE].reshape(n, PAGE * d)[:, idx[kind]].contiguous()
+        desc = zb.analyze(groups.view(torch.int16).reshape(-1, block_size), version).view(n, -1)
+        raw = desc == zb.RAW
+        out.append(raw)
+        counts = torch.bincount((~raw).sum(1), minlength=raw.shape[1] + 1)
+        shares[name] = [round(c / n, 4) for c in counts.tolist()]
+    return out[0], out[1], {"groups": n, "order": order, "class_shares_by_compressed_blocks": shares}
+
+
+class KVWriter:
+    """K/V of a step's tokens: 1.0 everywhere, and 2^40 in dim 0 of every token of a block picked incompressible:
+    at random per block (``p_raw``), or with ``patterns`` as the real-KV group the GPU bench's RealKV writes there
+    (bench/zip_engine.py: the same (layer, page, head) key picks the bank group, K at key, V at key + 1), so the
+    pool sees the real class mix, correlated blocks included."""
+
+    def __init__(self, heads: int, head_dim: int, block_tokens: int, p_raw: tuple[float, float], p_raw_decode: float,
+                 patterns: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.h, self.d, self.bt, self.p_raw, self.p_raw_decode = heads, head_dim, block_tokens, p_raw, p_raw_decode
+        self.patterns = patterns
 
     def __call__(self, layer: int, slots: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         page, blk = slots // PAGE, (slots % PAGE) // self.bt
+        if self.patterns is not None:
+            key = page[:, None] * 1_000_003 + torch.arange(self.h)[None, :] * 7919 + layer * 104_729  # [T, H]
+            out = []
+            for kind, pat in enumerate(self.patterns):
+                if pat.shape[1] * self.bt != PAGE:
+                    raise SystemExit(f"real-KV groups have {pat.shape[1]} blocks, the replay's {PAGE // self.bt}")
+                raw = pat[(key + kind) % pat.shape[0], blk[:, None].expand_as(key)]  # [T, H]
+                x = torch.ones(len(slots), self.h, self.d)
+                x[..., 0] = torch.where(raw, 2.0**40, 1.0)
+                out.append(x.to(torch.bfloat16))
+            return out[0], out[1]
         key = (page[:, None] * 1_000_003 + torch.arange(self.h)[None, :] * 7919 + layer * 104_729 + blk[:, None] * 31)
         out = []
         for kind in (0, 1):
@@ -194,7 +238,12 @@ class FakeEngine:
                                format_version=version)
         per_seq = math.ceil((a.context + a.steps) / PAGE)
         budget = int((int(a.budget_seqs * per_seq) + 8) * self.geo.raw_page_bytes * a.budget_scale)
-        self.store = ZipPagedKV(self.geo, budget, "cpu")
+        # the pool's slab ownership (CacheConfig.shared_slabs) where the tree has it: the tree's default unless given
+        shared = a.shared_slabs if a.shared_slabs is not None else getattr(cache_cfg, "shared_slabs", None)
+        has_slabs = "shared_slabs" in inspect.signature(ZipPagedKV).parameters
+        if shared and not has_slabs:
+            raise SystemExit("--shared-slabs: this kvtide tree's pool has no shared slabs")
+        self.store = ZipPagedKV(self.geo, budget, "cpu", **({"shared_slabs": shared} if has_slabs else {}))
         # the engine's spread of page placement over decode steps (CacheConfig.compress_spread_steps), where the tree
         # has it (compress_finish(max_pages)); --compress-spread-steps 1 places a page step's pages at once
         has_spread = "max_pages" in inspect.signature(self.store.compress_finish).parameters
@@ -206,8 +255,12 @@ class FakeEngine:
         cfg = SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=a.step_tokens,
                               max_model_len=a.context + a.steps + PAGE, **extra)
         self.sched = Scheduler(cfg, self.bm)
+        patterns, self.real_kv = None, None
+        if a.real_kv:  # the GPU run's blocks: its store's value order, 512-value blocks of head_dim 128
+            k, v, self.real_kv = real_raw_patterns(a.real_kv, a.real_kv_order, 512, version)
+            patterns = (k, v)
         self.writer = KVWriter(a.kv_heads, a.head_dim, self.geo.block_size // a.head_dim, (a.p_raw_k, a.p_raw_v),
-                               a.p_raw_decode)
+                               a.p_raw_decode, patterns)
         self.clock = Clock()
         self.profiler: cProfile.Profile | None = None
         self.ids = 0
@@ -648,6 +701,14 @@ def main() -> None:
     ap.add_argument("--page-lookahead", type=int, default=None,
                     help="SchedulerConfig.page_lookahead (default: the tree's; 0 takes every page in the step that "
                          "needs it, as the engine did before the option)")
+    ap.add_argument("--shared-slabs", type=int, choices=(0, 1), default=None,
+                    help="pool chunks owned per size class for all layers (1) or per layer and class (0); default: "
+                         "the tree's CacheConfig")
+    ap.add_argument("--real-kv", default=None,
+                    help="take each group's raw blocks from this real-KV capture (bench/zip_attention.py --capture), "
+                         "as the GPU bench's --real-kv writes it; the --p-raw-* options are then unused")
+    ap.add_argument("--real-kv-order", default="mma", choices=("mma", "token"),
+                    help="value order the GPU store keeps (mma: the CUDA kernel's)")
     ap.add_argument("--p-raw-k", type=float, default=0.21, help="share of K blocks made incompressible")
     ap.add_argument("--p-raw-v", type=float, default=0.07, help="share of V blocks made incompressible")
     ap.add_argument("--p-raw-decode", type=float, default=0.05,
@@ -718,7 +779,9 @@ def main() -> None:
                      "block_size": eng.geo.block_size, "blocks_per_group": eng.geo.blocks_per_group,
                      "chunk_bytes": eng.store.alloc.geo.chunk_bytes, "num_chunks": eng.store.alloc.geo.num_chunks,
                      "raw_slots_per_chunk": eng.store.alloc.geo.slots_per_chunk(0),
-                     "num_page_ids": eng.store.num_page_ids, "pool_bytes": eng.store.pool.numel()},
+                     "num_page_ids": eng.store.num_page_ids, "pool_bytes": eng.store.pool.numel(),
+                     "shared_slabs": getattr(eng.store.alloc.geo, "shared_slabs", False),
+                     "real_kv": getattr(eng, "real_kv", None)},
         "note": "CPU, no model: the engine's scheduler, block manager and compressed store driven as the engine does; "
                 "bookkeeping at the H200 run's scale (pages, chunks, slots, layers), bytes shrunk (head_dim 8); "
                 "synthetic K/V with a chosen share of incompressible blocks. Tensor ops are CPU compute here, "
