@@ -88,12 +88,15 @@ def test_small_pool_preempts_and_chunked_prefill_keeps_tokens(runs, shared_slabs
 
 
 @pytest.mark.parametrize("shared_slabs", [False, True])
-def test_long_requests_fill_the_pool_without_over_commit(shared_slabs):
+def test_long_requests_fill_the_pool_without_over_commit(runs, shared_slabs):
+    """Four requests in a pool for fewer: queued or preempted, never over-committed, the dense cache's tokens."""
     llm = small_llm(shared_slabs)
     eng = llm.engine
     text = "Yaks and llamas carry loads across the high passes; " * 3
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    rids = [eng.add_request(f"Trip {i}. {text}", params) for i in range(4)]
+    prompts = [f"Trip {i}. {text}" for i in range(4)]
+    ref = [o.token_ids for o in runs["dense"][0].generate(prompts, params)]
+    rids = [eng.add_request(p, params) for p in prompts]
     done, peak = {}, 0
     while eng.has_unfinished():
         for out in eng.step():  # a MemoryError here would be an over-commit
@@ -102,7 +105,7 @@ def test_long_requests_fill_the_pool_without_over_commit(shared_slabs):
         peak = max(peak, len(eng.scheduler.running))
         running_pages = sum(len(s.pages) for s in eng.scheduler.running)
         assert running_pages <= eng.kv_stats()["capacity_pages"]
-    assert sorted(done) == sorted(rids) and all(len(o.token_ids) == 3 for o in done.values())
+    assert sorted(done) == sorted(rids) and [done[r].token_ids for r in rids] == ref
     assert peak < 4, "the pool cannot hold all four at once: admission must queue or preempt them"
     s = eng.kv_stats()
     assert s["pages_held"] == s["pages_compressed_held"] > 0, "finished requests leave compressed cached pages"
