@@ -85,6 +85,8 @@ class _PoolOnly:
 
     _alloc_into = ZipPagedKV._alloc_into  # the helpers _place calls
     _in_place = ZipPagedKV._in_place
+    _room_for = getattr(ZipPagedKV, "_room_for", None)
+    evictor = None
 
 
 def plain_table(layout: BatchLayout):

@@ -25,8 +25,9 @@ STORAGE CONTRACT (what attention backends and kernels read; keep to it exactly)
   raw bytes (``write``). When it fills, ``compress`` (called after the step's attention reads; the engine's decode
   steps split it into ``compress_begin`` and ``compress_finish`` one step later, the page raw meanwhile) re-encodes it
   into a new place of its size class and frees the raw bytes; groups whose blocks all stayed raw keep their
-  place; if no destination is free the group is compressed in place (through a staging copy, since
-  ``zipblocks.pack`` must not alias its source). No uncompressed copy of a compressed page remains.
+  place; if no destination is free, and evicting cached pages (``evictor``, the engine's block manager) frees
+  none, the group is compressed in place (through a staging copy, since ``zipblocks.pack`` must not alias its
+  source). No uncompressed copy of a compressed page remains.
 """
 from __future__ import annotations
 
@@ -164,6 +165,11 @@ class ZipPagedKV:
         self._in_place_groups = np.zeros(self.num_page_ids, dtype=np.int64)
         self._in_place_bytes = np.zeros(self.num_page_ids, dtype=np.int64)
         self._pending: list[_PendingCompression] = []  # begun, not finished (compress_begin / compress_finish)
+        # evictor(n, keep): evicts up to n cached pages (never those in keep), returns how many; set by the engine's
+        # block manager (BlockManager.evict_lru). A compression that finds no slot of a group's class evicts before
+        # it compresses in place: a group in place keeps a raw-size slot for the life of its page.
+        self.evictor = None
+        self._finishing: set[int] = set()  # pages of the running _finish: never evicted under it
         self.state = np.full(self.num_page_ids, ABSENT, dtype=np.int8)
         self._value_idx = torch.arange(geo.group_values, device=self.device)
         self._mma = geo.value_order != "token"
@@ -174,6 +180,7 @@ class ZipPagedKV:
         # kernel in the Triton interpreter.
         self.fused_write = self.device.type == "cuda"
         self.counters = {"pages_compressed": 0, "pages_allocated": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
+                         "evictions_for_compression": 0,
                          "k_stored_bytes": 0, "v_stored_bytes": 0, "k_raw_bytes": 0, "v_raw_bytes": 0}
 
     @property
@@ -353,10 +360,14 @@ class ZipPagedKV:
         old_h = self._starts_host[:, pids]
         new_h = old_h.copy()
         in_place = []
-        with record_function("kvtide.zip_place"):
-            for layer in range(g.num_layers):
-                in_place += self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1),
-                                        new_h[layer].reshape(-1)) or []  # (a test's reference _place: None)
+        self._finishing = set(pids)
+        try:
+            with record_function("kvtide.zip_place"):
+                for layer in range(g.num_layers):
+                    in_place += self._place(layer, cls[layer].reshape(-1), old_h[layer].reshape(-1),
+                                            new_h[layer].reshape(-1)) or []  # (a test's reference _place: None)
+        finally:
+            self._finishing = set()
         if in_place:  # group index // (heads * 2) is the page's place in ``pids``
             at = np.asarray(pids, dtype=np.int64)[np.concatenate([gr for gr, _ in in_place]) // (g.num_kv_heads * 2)]
             np.add.at(self._in_place_groups, at, 1)
@@ -418,9 +429,13 @@ class ZipPagedKV:
         First one allocation per class for all the groups; if the pool runs short, the rest go raw chunk by raw
         chunk, and each raw slot is freed as soon as its group has a destination, so a chunk emptied by one batch
         can take the next batch's compressed groups: a nearly full pool still compresses. The data is safe
-        meanwhile: every source is already in the staging copy. Once no slab of the classes left can give a slot
-        (no open chunk, no free chunk), every later allocation would come back empty and every free would free
-        nothing, so the rest is compressed in place at once (a full pool: most compressing steps, every layer).
+        meanwhile: every source is already in the staging copy. When no slab of the classes left can give a slot
+        (no open chunk, no free chunk), cached pages are evicted (``evictor``) until one can; once none are left,
+        every later allocation would come back empty and every free would free nothing, so the rest is compressed
+        in place at once. Why evict first: a group in place holds a raw-size slot (up to a quarter more) as long as
+        its page lives, while the cached pages would go first anyway when new pages need room. On the CPU replay
+        of the H200 run's pool (real-KV classes, bench/results/zip_page_steps_cpu_compress_evictions_*.json) it
+        let 67 sequences of 8K decode where the pool preempted before.
         """
         todo = np.flatnonzero(cls > 0)
         if not todo.size:
@@ -436,24 +451,40 @@ class ZipPagedKV:
         if not short:
             return []
         todo = np.sort(np.concatenate(short))
-        if not any(self.alloc.can_alloc(layer, k) for k in left):  # the common case in a full pool: no chunk came back
+        if not self._room_for(layer, left):  # the common case in a full pool: no chunk came back, nothing to evict
             return [self._in_place(todo, cls)]
         in_place = []
         chunk = old[todo] // self.alloc.geo.chunk_bytes
         order = np.argsort(chunk, kind="stable")
         segs = np.split(todo[order], np.flatnonzero(np.diff(chunk[order])) + 1)
         for i, seg in enumerate(segs):
-            if not any(self.alloc.can_alloc(layer, k) for k in left):
+            if not self._room_for(layer, left):
                 in_place.append(self._in_place(np.concatenate(segs[i:]), cls))
                 return in_place
             placed = []
             for k, sel in _by_class(seg, cls):
                 got = self._alloc_into(layer, k, sel, new)
+                while len(got) < len(sel) and self._room_for(layer, [k]):  # evicting cached pages gave room
+                    more = self._alloc_into(layer, k, sel[len(got):], new)
+                    if not len(more):
+                        break
+                    got = np.concatenate([got, more])
                 placed.append(got)
                 if len(got) < len(sel):  # no destination left: compress in place (the raw slot keeps its size)
                     in_place.append(self._in_place(sel[len(got):], cls))
             self.alloc.free(old[np.concatenate(placed)])  # the segment's raw chunk may empty for the next one
         return in_place
+
+    EVICT_BATCH = 4  # cached pages evicted per try when a compression is short of a class's slots
+
+    def _room_for(self, layer: int, classes: list[int]) -> bool:
+        """Whether some class in ``classes`` can give ``layer`` a slot, evicting cached pages (LRU first, through
+        ``evictor``) until one can or none are left."""
+        while not any(self.alloc.can_alloc(layer, k) for k in classes):
+            if self.evictor is None or not self.evictor(self.EVICT_BATCH, self._finishing):
+                return False
+            self.counters["evictions_for_compression"] += 1
+        return True
 
     def _alloc_into(self, layer: int, k: int, sel: np.ndarray, new: np.ndarray) -> np.ndarray:
         """Slots of class k for groups ``sel`` (as many as the pool gives), written into ``new``; the groups placed."""
@@ -516,6 +547,7 @@ class ZipPagedKV:
             "in_place_waste_bytes": c["in_place_waste_bytes"],
             "groups_in_place_held": int(self._in_place_groups.sum()),  # held now, in pages the pool still holds
             "in_place_waste_bytes_held": int(self._in_place_bytes.sum()),
+            "evictions_for_compression": c["evictions_for_compression"],  # evictor calls by short compressions
             "free_pages": fit,
             "capacity_pages": held + fit,
             "capacity_pages_uncompressed": self.raw_capacity_pages,

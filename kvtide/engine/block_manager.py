@@ -105,6 +105,23 @@ class BlockManager:
             self.stats["evictions"] += len(victims)
         return True
 
+    def evict_lru(self, n: int, keep: set[int] | frozenset[int] = frozenset()) -> int:
+        """Evict up to ``n`` cached pages, least recently used first, never those in ``keep``; returns how many.
+        Store mode: the compressed pool calls it (``ZipPagedKV.evictor``) when a page it compresses finds no slot
+        of a group's size class, rather than compress that group in place, which would hold a raw-size slot for
+        as long as the page lives."""
+        victims = list(islice((pid for pid in self.free if pid not in keep), n))
+        if not victims:
+            return 0
+        self._evicting(victims)
+        for pid in victims:
+            del self.free[pid]
+            self._forget(pid)
+        self.store.release_pages(victims)
+        self.unused.extend(victims)
+        self.stats["evictions"] += len(victims)
+        return len(victims)
+
     def evict_cached(self) -> int:
         """Drop every cached page no sequence holds (what memory pressure does); returns how many."""
         n = 0

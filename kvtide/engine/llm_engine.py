@@ -74,6 +74,8 @@ class LLMEngine:
                                   compress_spread_steps=cache.compress_spread_steps,
                                   full_cuda_graphs=config.full_cuda_graphs)
         self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, store=self.store)
+        if self.store is not None:  # a compression short of slots evicts cached pages before it compresses in place
+            self.store.evictor = self.block_manager.evict_lru
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         # A sequence may never outgrow the whole cache, or it would preempt itself forever.
         fit = num_pages if self.store is None else self.store.free_pages()

@@ -221,6 +221,8 @@ class _Placer:
 
     _alloc_into = ZipPagedKV._alloc_into
     _in_place = ZipPagedKV._in_place
+    _room_for = ZipPagedKV._room_for
+    evictor = None  # nothing to evict: in place, as before evictions for compression
 
     def place(self, *args) -> None:
         self._place_fn(self, *args)

@@ -124,6 +124,51 @@ def test_compression_finishes_in_place_when_no_destination_is_free():
     assert store.counters["groups_in_place"] > 0  # the counter keeps every group ever placed so
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["layer-slabs", "shared-slabs"])
+def test_compression_short_of_slots_evicts_cached_pages_before_compressing_in_place(shared):
+    """The tight pool of the test above, with the first two pages standing for cached pages an evictor may drop
+    (as BlockManager.evict_lru does). Without it the last page compresses in place; with it the compression
+    evicts cached pages first, never the pages it is compressing, and nothing is compressed in place while
+    cached pages are left. Bytes of the pages kept stay exact."""
+    chunk = GEO.raw_group_bytes * 4
+    runs = {}
+    for evict in (False, True):
+        store = ZipPagedKV(GEO, GEO.num_layers * chunk * 6, chunk_bytes=chunk, private_chunks=0, shared_slabs=shared)
+        cached, calls = [0, 1], []
+
+        def evictor(n, keep, store=store, cached=cached, calls=calls):
+            victims = [p for p in cached if p not in keep][:n]
+            calls.append((n, set(keep), victims))
+            for p in victims:
+                cached.remove(p)
+            store.release_pages(victims)
+            return len(victims)
+
+        store.evictor = evictor if evict else None
+        pids = list(range(store.free_pages(reserve=False)))
+        written = {}
+        for first in range(0, len(pids), 2):
+            batch = pids[first:first + 2]
+            written[first] = (batch, fill(store, batch, seed=first))
+            store.compress(batch)
+        runs[evict] = (store, calls, cached)
+        for batch, w in written.values():
+            if all(store.state[p] == COMPRESSED for p in batch):
+                assert_exact(store, batch, w)
+        assert (store.stats()["groups_in_place_held"], store.stats()["in_place_waste_bytes_held"]) == \
+            in_place_from_tables(store)
+    plain = runs[False][0]
+    assert plain.stats()["groups_in_place_held"] > 0 and plain.counters["evictions_for_compression"] == 0
+    store, calls, cached = runs[True]
+    assert calls and store.counters["evictions_for_compression"] > 0
+    assert all(not set(v) & keep for _, keep, v in calls), "evicted a page being compressed"
+    evicted = [p for _, _, v in calls for p in v]
+    assert evicted and set(evicted) <= {0, 1} and all(store.state[p] == -1 for p in evicted)
+    if cached:  # pages left to evict: then nothing had to go in place
+        assert store.stats()["groups_in_place_held"] == 0
+    assert store.stats()["groups_in_place_held"] < plain.stats()["groups_in_place_held"]
+
+
 def stored_bytes_from_descriptors(store: ZipPagedKV, pids: list[int]) -> list[int]:
     """K and V bytes the held groups take, read from the device descriptors (what the counters must equal)."""
     sizes = zb.block_sizes(store.group_desc_all[:, torch.tensor(pids)], store.block_size)
