@@ -249,6 +249,8 @@ class FakeEngine:
         has_spread = "max_pages" in inspect.signature(self.store.compress_finish).parameters
         self.spread = (a.compress_spread_steps or getattr(cache_cfg, "compress_spread_steps", 1)) if has_spread else 1
         self.bm = BlockManager(0, PAGE, True, store=self.store)
+        if hasattr(self.store, "evictor") and hasattr(self.bm, "evict_lru") and not a.no_compress_evictions:
+            self.store.evictor = self.bm.evict_lru  # as LLMEngine wires it, where the tree has it
         extra = {}  # trees from before SchedulerConfig.page_lookahead lack the field
         if a.page_lookahead is not None and "page_lookahead" in {f.name for f in dataclasses.fields(SchedulerConfig)}:
             extra["page_lookahead"] = a.page_lookahead
@@ -704,6 +706,8 @@ def main() -> None:
     ap.add_argument("--shared-slabs", type=int, choices=(0, 1), default=None,
                     help="pool chunks owned per size class for all layers (1) or per layer and class (0); default: "
                          "the tree's CacheConfig")
+    ap.add_argument("--no-compress-evictions", action="store_true",
+                    help="compressions short of slots compress in place without evicting cached pages (before)")
     ap.add_argument("--real-kv", default=None,
                     help="take each group's raw blocks from this real-KV capture (bench/zip_attention.py --capture), "
                          "as the GPU bench's --real-kv writes it; the --p-raw-* options are then unused")
