@@ -1,4 +1,4 @@
-"""Chunk allocator for the compressed KV pool: per-layer slabs of fixed-size slots, chunks shared across layers.
+"""Chunk allocator for the compressed KV pool: slabs of fixed-size slots, per layer or shared by all layers.
 
 The pool's bytes are cut into equal chunks. A chunk is either free or owned by one layer and one *size
 class*; an owned chunk is cut into equal slots of its class's size. Classes are the sizes a group can take:
