@@ -158,21 +158,16 @@ class KVWriter:
 
     def __call__(self, layer: int, slots: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         page, blk = slots // PAGE, (slots % PAGE) // self.bt
-        if self.patterns is not None:
-            key = page[:, None] * 1_000_003 + torch.arange(self.h)[None, :] * 7919 + layer * 104_729  # [T, H]
-            out = []
-            for kind, pat in enumerate(self.patterns):
+        key = page[:, None] * 1_000_003 + torch.arange(self.h)[None, :] * 7919 + layer * 104_729  # [T, H]
+        out = []
+        for kind in (0, 1):
+            if self.patterns is not None:  # the bank group RealKV writes at this key (K at key, V at key + 1)
+                pat = self.patterns[kind]
                 if pat.shape[1] * self.bt != PAGE:
                     raise SystemExit(f"real-KV groups have {pat.shape[1]} blocks, the replay's {PAGE // self.bt}")
                 raw = pat[(key + kind) % pat.shape[0], blk[:, None].expand_as(key)]  # [T, H]
-                x = torch.ones(len(slots), self.h, self.d)
-                x[..., 0] = torch.where(raw, 2.0**40, 1.0)
-                out.append(x.to(torch.bfloat16))
-            return out[0], out[1]
-        key = (page[:, None] * 1_000_003 + torch.arange(self.h)[None, :] * 7919 + layer * 104_729 + blk[:, None] * 31)
-        out = []
-        for kind in (0, 1):
-            raw = mix(key * 2 + kind) < (self.p_raw_decode if decode else self.p_raw[kind])  # [T, H]
+            else:
+                raw = mix((key + blk[:, None] * 31) * 2 + kind) < (self.p_raw_decode if decode else self.p_raw[kind])
             x = torch.ones(len(slots), self.h, self.d)
             x[..., 0] = torch.where(raw, 2.0**40, 1.0)
             out.append(x.to(torch.bfloat16))

@@ -93,16 +93,8 @@ class BlockManager:
         time as pages are missing (a compressed page frees at most about one raw page's room), so a full pool
         asks the store's capacity a few times per step instead of once per victim."""
         while (short := pages - self.store.free_pages(reserve)) > 0:
-            victims = list(islice((pid for pid in self.free if pid not in keep), short))
-            if not victims:
+            if not self.evict_lru(short, keep):
                 return False
-            self._evicting(victims)
-            for pid in victims:
-                del self.free[pid]
-                self._forget(pid)
-            self.store.release_pages(victims)
-            self.unused.extend(victims)
-            self.stats["evictions"] += len(victims)
         return True
 
     def evict_lru(self, n: int, keep: set[int] | frozenset[int] = frozenset()) -> int:
