@@ -573,6 +573,9 @@ def main() -> None:
     ap.add_argument("--zip-options", default=None,
                     help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
                          "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
+    ap.add_argument("--zip-balanced", action="store_true",
+                    help="CUDA kernel: balanced runs where zip_attention_cuda's rule takes them (AUTO_BALANCED; off by "
+                         "default)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
@@ -594,12 +597,15 @@ def main() -> None:
     batches = sorted({int(b) for b in a.batches.split(",")})
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
+    if a.zip_balanced:
+        from kvtide.kernels import zip_attention_cuda as zc
+        zc.AUTO_BALANCED = True
     zip_options = load_zip_options(a.zip_options, a.context)
     if zip_options:
         from kvtide.kernels import zip_attention as za
         za.set_defaults("zip", **zip_options)
     res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention",
-                 "cuda_kernel_stage": _cuda_stage(args.head_dim),
+                 "cuda_kernel_stage": _cuda_stage(args.head_dim), "cuda_kernel_balanced_rule": a.zip_balanced,
                  "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,

@@ -39,6 +39,12 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=list(range(1, 17)) + [18, 20, 24, 32])
     ap.add_argument("--shapes", nargs="+", default=["4,3", "4,4"], help="warps,CTAs per SM of the split kernel")
     ap.add_argument("--version", type=int, default=2, help="format version (the engine's default is 2)")
+    ap.add_argument("--balanced", action="store_true",
+                    help="instead of the sweep: the plan's choice, even splits (balanced=False) and balanced runs "
+                         "(balanced=True), each batch, in turn for --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--contexts", type=int, nargs="*", default=[],
+                    help="with --balanced: more contexts after --context (each its own pool of pages)")
     ap.add_argument("--rep", type=int, default=30)
     args = ap.parse_args()
     import flashinfer
@@ -46,60 +52,80 @@ def main() -> None:
     t0 = time.time()
     dev = torch.device("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    npg = -(-args.context // PS)
-    last_len = args.context - (npg - 1) * PS
-    pages = max(args.batches) * npg
-    kv, models = real_kv(args.real_kv, pages, gen) if args.real_kv else (synth_kv(pages, 0.16, 0.03, gen), None)
-    pool, gstart, gdesc = cuda_inputs(kv, args.version)["cuda_zip"]
-    perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     rows = []
-    for b in args.batches:
-        indices = perm[: b * npg].contiguous()
-        indptr = torch.arange(0, b + 1, dtype=torch.int32) * npg
-        last = torch.full((b,), last_len, dtype=torch.int32)
-        q = torch.randn(b, HQ, D, device=dev, generator=gen).bfloat16()
-        fi.plan(indptr.to(dev), indices, last.to(dev), HQ, HKV, D, PS, pos_encoding_mode="NONE",
-                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        fi_us = bench(lambda: fi.run(q, kv), args.rep)
-        ref = zr.decode_attention_f64(q[:2], kv, indptr[:3], indices[: 2 * npg], last[:2])
+    for ctx in [args.context, *args.contexts]:
+        npg = -(-ctx // PS)
+        last_len = ctx - (npg - 1) * PS
+        pages = max(args.batches) * npg
+        kv, models = real_kv(args.real_kv, pages, gen) if args.real_kv else (synth_kv(pages, 0.16, 0.03, gen), None)
+        pool, gstart, gdesc = cuda_inputs(kv, args.version)["cuda_zip"]
+        perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
+        for b in args.batches:
+            indices = perm[: b * npg].contiguous()
+            indptr = torch.arange(0, b + 1, dtype=torch.int32) * npg
+            last = torch.full((b,), last_len, dtype=torch.int32)
+            q = torch.randn(b, HQ, D, device=dev, generator=gen).bfloat16()
+            fi.plan(indptr.to(dev), indices, last.to(dev), HQ, HKV, D, PS, pos_encoding_mode="NONE",
+                    q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            fi_us = bench(lambda: fi.run(q, kv), args.rep)
+            ref = zr.decode_attention_f64(q[:2], kv, indptr[:3], indices[: 2 * npg], last[:2])
 
-        def timed(**opts) -> dict:
-            p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
-            out = torch.full_like(q, float("nan"))
-            zc.run(p, q, pool, gstart, gdesc, out=out)
-            torch.cuda.synchronize()
-            err = float((out[:2].double() - ref).norm() / ref.norm())
-            if bool(out.isnan().any()) or err > 1e-2:
-                raise AssertionError(f"batch {b} {opts}: outputs not all written or rel. err {err:.2e}")
-            us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.rep)
-            return dict(splits=p.num_splits, pages_per_split=p.pages_per_split, warps=p.warps,
-                        min_blocks=p.min_blocks, cta_merge=p.cta_merge, us=us, rel_err_f64=err)
+            def timed(**opts) -> dict:
+                p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+                out = torch.full_like(q, float("nan"))
+                zc.run(p, q, pool, gstart, gdesc, out=out)
+                torch.cuda.synchronize()
+                err = float((out[:2].double() - ref).norm() / ref.norm())
+                if bool(out.isnan().any()) or err > 1e-2:
+                    raise AssertionError(f"batch {b} {opts}: outputs not all written or rel. err {err:.2e}")
+                us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.rep)
+                return dict(splits=p.num_splits, pages_per_split=p.pages_per_split, warps=p.warps,
+                            min_blocks=p.min_blocks, cta_merge=p.cta_merge, balanced=p.balanced, us=us,
+                            rel_err_f64=err)
 
-        own = timed()
-        sweep = []
-        for w, mb in shapes:
-            for s in args.splits:
-                for cta in (False, True):
-                    if s > npg:
-                        continue
-                    r = timed(num_splits=s, warps=w, min_blocks=mb, cta_merge=cta)
-                    if cta and not r["cta_merge"]:
-                        continue  # the plan declined the CTA merge: the same launch as cta_merge=False
-                    sweep.append(dict(r, shape=[w, mb]))
-        best = min(sweep, key=lambda r: r["us"])
-        dsc = gdesc[indices.long()]
-        row = dict(batch=b, context=args.context, flashinfer_us=fi_us, plan=own, best=best,
-                   plan_over_best=own["us"] / best["us"], fi_over_plan=fi_us / own["us"], fi_over_best=fi_us / best["us"],
-                   k_compressible=float((dsc[:, :, 0] != zb.RAW).float().mean()),
-                   v_compressible=float((dsc[:, :, 1] != zb.RAW).float().mean()), sweep=sweep)
-        rows.append(row)
-        print(f"batch {b:3d}: FlashInfer {fi_us:7.1f} us | plan {own['splits']:2d} splits {own['warps']}x"
-              f"{own['min_blocks']} cta {int(own['cta_merge'])} {own['us']:7.1f} us ({fi_us / own['us']:.3f}x) | best "
-              f"{best['splits']:2d} splits {best['shape']} cta {int(best['cta_merge'])} {best['us']:7.1f} us "
-              f"({fi_us / best['us']:.3f}x)", flush=True)
+            own = timed()
+            if args.balanced:
+                modes = {"plan": {}, "even": {"balanced": False}, "balanced": {"balanced": True}}  # plan: the default
+                rounds = {m: [] for m in ("flashinfer", *modes)}
+                for _ in range(args.rounds):
+                    rounds["flashinfer"].append(bench(lambda: fi.run(q, kv), args.rep))
+                    for m, opts in modes.items():
+                        rounds[m].append(timed(**opts))
+                med = {m: sorted(r["us"] if isinstance(r, dict) else r for r in v)[len(v) // 2] for m, v in rounds.items()}
+                row = dict(batch=b, context=ctx, rounds=rounds, median_us=med,
+                           plan=rounds["plan"][0], even=rounds["even"][0], balanced=rounds["balanced"][0],
+                           even_over_balanced=med["even"] / med["balanced"], fi_over_plan=med["flashinfer"] / med["plan"])
+                rows.append(row)
+                print(f"ctx {ctx:5d} batch {b:3d}: FlashInfer {med['flashinfer']:7.1f} us | plan "
+                      f"{'balanced' if row['plan']['balanced'] else 'even'} {med['plan']:7.1f} | even "
+                      f"{row['even']['splits']:2d} splits cta {int(row['even']['cta_merge'])} {med['even']:7.1f} | balanced "
+                      f"{row['balanced']['pages_per_split']} pages/warp {med['balanced']:7.1f} "
+                      f"(even / balanced {row['even_over_balanced']:.3f})", flush=True)
+                continue
+            sweep = []
+            for w, mb in shapes:
+                for s in args.splits:
+                    for cta in (False, True):
+                        if s > npg:
+                            continue
+                        r = timed(num_splits=s, warps=w, min_blocks=mb, cta_merge=cta)
+                        if cta and not r["cta_merge"]:
+                            continue  # the plan declined the CTA merge: the same launch as cta_merge=False
+                        sweep.append(dict(r, shape=[w, mb]))
+            best = min(sweep, key=lambda r: r["us"])
+            dsc = gdesc[indices.long()]
+            row = dict(batch=b, context=ctx, flashinfer_us=fi_us, plan=own, best=best,
+                       plan_over_best=own["us"] / best["us"], fi_over_plan=fi_us / own["us"], fi_over_best=fi_us / best["us"],
+                       k_compressible=float((dsc[:, :, 0] != zb.RAW).float().mean()),
+                       v_compressible=float((dsc[:, :, 1] != zb.RAW).float().mean()), sweep=sweep)
+            rows.append(row)
+            print(f"batch {b:3d}: FlashInfer {fi_us:7.1f} us | plan {own['splits']:2d} splits {own['warps']}x"
+                  f"{own['min_blocks']} cta {int(own['cta_merge'])} {own['us']:7.1f} us ({fi_us / own['us']:.3f}x) | best "
+                  f"{best['splits']:2d} splits {best['shape']} cta {int(best['cta_merge'])} {best['us']:7.1f} us "
+                  f"({fi_us / best['us']:.3f}x)", flush=True)
     out = dict(suite="zip_splits", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                device=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(dev).multi_processor_count,
                torch=torch.__version__, triton=triton.__version__, flashinfer=getattr(flashinfer, "__version__", "?"),

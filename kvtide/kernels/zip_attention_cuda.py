@@ -18,7 +18,11 @@ an SM and measured 0.5-1.5% faster on the H200 at the larger shapes (``bench/zip
 (stage 2) was slower at 12 warps per SM and no faster at 16. A split sequence gets one CTA whose warps are its
 splits (``plan(cta_merge=True)``, the default where it adds no wave): they merge their normalised
 partial outputs and base-2 log-sum-exps in shared memory, 4-5 us less per call on the H200 than writing them out
-for the ``zip_merge`` launch, which remains for more splits than a CTA holds. Raw blocks (the page being written,
+for the ``zip_merge`` launch, which remains for more splits than a CTA holds. Even splits leave the last wave nearly
+empty just past a wave boundary (67 x 8 KV heads on 132 SMs x 16 warps); ``plan(balanced=True)`` instead lays every
+(sequence, KV head) page list end to end and gives each warp an equal run of it, crossing unit boundaries
+(``zip_merge_balanced`` merges the pieces): 1.9% faster at that shape, slower where even splits merge in a CTA, so it
+is opt-in (:data:`AUTO_BALANCED`). Raw blocks (the page being written,
 blocks the format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is
 the format-free control.
 
@@ -59,6 +63,15 @@ _DEFAULTS = {128: dict(launches={0: [(4, 3)], 1: [(4, 3), (4, 4)], 2: [(4, 3), (
              64: dict(launches={0: [(4, 4)], 1: [(4, 4)], 2: [(4, 4)]}, waves=None, stage=0)}
 SHAPE_MARGIN = 0.85  # a later launch shape is taken only when the wave model rates it at most this x the first
 SPLITS_HINT_MARGIN = 1.10  # plan(splits_hint=): kept while the wave model rates it at most this x its own choice
+# Balanced runs (zip_decode.cu BALANCED), plan(balanced=None) with AUTO_BALANCED: taken where the even splits would
+# merge through global memory anyway (no CTA merge), the wave model rates the runs at most BALANCED_MARGIN x the even
+# splits, and each warp's run holds at least BALANCED_MIN_PAGES pages. Measured on the H200 (v2, 8320-token contexts,
+# bench/results/zip_splits_balanced_h200.json, 3 interleaved rounds): faster where the rule takes them (53, 67, 68, 69
+# sequences: 1.5 / 1.9 / 0.4 / 0.7%), slower against CTA-merged even splits (64, 66, 90, 96: 1.1-2.8%) and at
+# 2048-token contexts (runs of 26-63 pages: 0-6%). Off by default until measured inside the engine.
+AUTO_BALANCED = False
+BALANCED_MARGIN = 0.92
+BALANCED_MIN_PAGES = 64
 STAGES = {0: "K and V in registers", 1: "V staged in shared memory (cp.async)", 2: "K and V staged in shared memory"}
 
 
@@ -82,6 +95,41 @@ def pick_splits(units: int, max_pages: int, resident_warps: int) -> int:
         if cost < best_cost * 0.98:
             best, best_cost = s, cost
     return best
+
+
+def balanced_run(total_pages: int, resident_warps: int) -> tuple[int, int]:
+    """(pages per warp, the wave model's time in pages) of balanced runs over ``total_pages`` (every unit's pages,
+    laid end to end) on ``resident_warps`` warps: one wave of equal runs, each paying start-up for the at most two
+    units it meets when runs are shorter than the units."""
+    per = max(1, math.ceil(total_pages / resident_warps))
+    return per, per + 2 * SPLIT_START_PAGES
+
+
+def balanced_pieces(indptr: list[int], num_kv_heads: int, per_warp: int, grid_warps: int) -> list[tuple[int, ...]]:
+    """The BALANCED kernel's walk on the host (zip_decode.cu ``zip_decode``): (warp, sequence, KV head, piece, first
+    page, pages) of every piece, for tests and for reading the kernel. Units are (sequence, KV head) page lists laid
+    end to end, sequence-major; warp w takes pages [w * per_warp, (w + 1) * per_warp) of that line."""
+    total = num_kv_heads * indptr[-1]
+    out = []
+    for w in range(grid_warps):
+        x, xe = w * per_warp, min((w + 1) * per_warp, total)
+        b = 0
+        while x < xe:
+            while num_kv_heads * indptr[b + 1] <= x:
+                b += 1
+            base, length = num_kv_heads * indptr[b], indptr[b + 1] - indptr[b]
+            h, p0 = divmod(x - base, length)
+            n = min(length - p0, xe - x)
+            out.append((w, b, h, w - (base + h * length) // per_warp, p0, n))
+            x += n
+    return out
+
+
+def balanced_piece_count(indptr: list[int], num_kv_heads: int, per_warp: int, b: int, h: int) -> int:
+    """Pieces of unit (b, h) under balanced runs: what ``zip_merge_balanced`` merges."""
+    length = indptr[b + 1] - indptr[b]
+    first = num_kv_heads * indptr[b] + h * length
+    return (first + length - 1) // per_warp - first // per_warp + 1 if length else 0
 
 
 def unsupported(device: torch.device | str | None = None) -> str | None:
@@ -124,16 +172,18 @@ def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_
 
 @functools.cache
 def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
-            cta_merge: bool = False, stage: int = 0) -> dict[str, cuda_jit.Kernel]:
+            cta_merge: bool = False, stage: int = 0, balanced: bool = False) -> dict[str, cuda_jit.Kernel]:
     return build_source(SOURCE.read_text(), device, defines(head_dim, version, warps, min_blocks, load_hint,
-                                                             cta_merge, stage))
+                                                             cta_merge, stage, balanced))
 
 
 def defines(head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
-            cta_merge: bool = False, stage: int = 0) -> dict[str, int]:
+            cta_merge: bool = False, stage: int = 0, balanced: bool = False) -> dict[str, int]:
     """The compile-time constants of one launch shape (cuda/zip_decode.cu's -D list)."""
+    if balanced and cta_merge:
+        raise ValueError("balanced runs merge through global memory: they cannot be merged in a CTA")
     return dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks, LOAD_HINT=load_hint,
-                CTA_MERGE=int(cta_merge), STAGE=stage)
+                CTA_MERGE=int(cta_merge), STAGE=stage, BALANCED=int(balanced))
 
 
 def smem_bytes(head_dim: int, warps: int, stage: int) -> int:
@@ -146,17 +196,18 @@ def build_source(source: str, device: int, defs: dict[str, int]) -> dict[str, cu
     """Compile ``source`` (zip_decode.cu or a variant of it) with ``defs`` for ``device`` and load it."""
     major, minor = torch.cuda.get_device_capability(device)
     cubin, _log = cuda_jit.compile_cubin(source, "zip_decode", major * 10 + minor, defs)
-    return cuda_jit.load(cubin, ["zip_decode", "zip_merge"], device)
+    return cuda_jit.load(cubin, ["zip_decode", "zip_merge", "zip_merge_balanced"], device)
 
 
-def default_launches(head_dim: int) -> list[tuple[int, int, bool]]:
-    """(warps, min_blocks, cta_merge) of every kernel :func:`plan`'s default launch shape can pick: the shape itself,
-    and one CTA-merge variant per split count it can merge in a CTA."""
+def default_launches(head_dim: int) -> list[tuple[int, int, bool, bool]]:
+    """(warps, min_blocks, cta_merge, balanced) of every kernel :func:`plan`'s default launch shape can pick: the
+    shape itself with even splits and with balanced runs, and one CTA-merge variant per split count it can merge in
+    a CTA."""
     d = _DEFAULTS[head_dim]
     out = []
     for w, mb in d["launches"][d["stage"]]:
-        out += [(w, mb, False)] + [(s, cta_blocks(w, mb, s), True)
-                                   for s in range(2, max_cta_splits(head_dim, d["stage"]) + 1)]
+        out += [(w, mb, False, False), (w, mb, False, True)]
+        out += [(s, cta_blocks(w, mb, s), True, False) for s in range(2, max_cta_splits(head_dim, d["stage"]) + 1)]
     return sorted(set(out))
 
 
@@ -177,7 +228,8 @@ def build(device: torch.device | str | int, head_dim: int, version: int) -> None
     launches = default_launches(head_dim)
     with ThreadPoolExecutor(max_workers=min(8, len(launches))) as ex:
         stage = default_stage(head_dim)
-        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage) for w, mb, cm in launches]:
+        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage, bal)
+                  for w, mb, cm, bal in launches]:
             f.result()
 
 
@@ -244,6 +296,10 @@ class CudaDecodePlan:
     load_hint: int = 0  # cache hints on the KV loads (see cuda/zip_decode.cu LOAD_HINT)
     stage: int = 0  # where the next page's groups wait: 0 registers, 1 V in shared memory, 2 K and V (STAGE)
     cta_merge: bool = False  # one CTA per (sequence, KV head), its warps the splits, merged in shared memory
+    # balanced runs (BALANCED): grid_warps warps, each pages_per_split pages of all units laid end to end;
+    # num_splits is then the partial slots per unit (the most pieces a unit can be cut into)
+    balanced: bool = False
+    grid_warps: int = 0
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
 
@@ -260,7 +316,8 @@ def graph_key(p: CudaDecodePlan) -> tuple | None:
     if p.buffers is None:
         return None
     return (p.batch, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.version, p.num_splits, p.warps, p.min_blocks,
-            p.load_hint, p.stage, p.cta_merge, float(p.sm_scale), id(p.buffers), p.buffers.generation)
+            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, float(p.sm_scale), id(p.buffers),
+            p.buffers.generation)
 
 
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
@@ -268,7 +325,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
          sm_scale: float | None = None, num_splits: int | None = None, warps: int | None = None,
          min_blocks: int | None = None, waves: float | None = None, load_hint: int = 0,
          cta_merge: bool = True, stage: int | None = None, device: torch.device | str | None = None,
-         buffers: PlanBuffers | None = None, splits_hint: int | None = None) -> CudaDecodePlan:
+         buffers: PlanBuffers | None = None, splits_hint: int | None = None, balanced: bool | None = None,
+         balanced_warps: int | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
@@ -282,7 +340,11 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     these fixed buffers (same batch size) instead of new tensors, for replay in a captured graph (:func:`graph_key`).
     ``splits_hint``: a split count to keep (a captured graph's) where the wave model rates it within
     :data:`SPLITS_HINT_MARGIN` of its own choice; small batches' best count moves with every few pages of context,
-    and each move would cost a graph capture."""
+    and each move would cost a graph capture. ``balanced``: cut all units' pages, laid end to end, into equal runs,
+    one per warp (:func:`balanced_pieces`), instead of even splits of each unit; None: by the rule beside
+    :data:`AUTO_BALANCED` when that is on (off by default), else even splits; ``balanced_warps``: the grid's warps
+    (default one wave of the launch shape). Pages per run are read from device memory, so a graph stays valid as
+    contexts grow."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
                          f"(need 1..{MAX_GROUP})")
@@ -311,6 +373,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     batch, max_pages = seqs.batch, seqs.max_pages
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
     hinted = None
+    given_splits = num_splits
     if num_splits is None:
         if waves is None:  # the first launch shape, or a later one the wave model rates SHAPE_MARGIN faster
             units = batch * num_kv_heads
@@ -333,14 +396,34 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     pages_per_split = math.ceil(max_pages / num_splits)
     if num_splits != hinted:  # the fewest splits of that length; a hinted count is kept as is (its last may be empty)
         num_splits = math.ceil(max_pages / pages_per_split)
-    merge_in_cta = False
-    if cta_merge and 2 <= num_splits <= max_cta_splits(head_dim, stage):
+    merge_in_cta, split_shape = False, (warps, min_blocks)
+    if cta_merge and not balanced and 2 <= num_splits <= max_cta_splits(head_dim, stage):
         # CTAs of num_splits warps, as many per SM as keep the requested warps per SM: used when that needs no
         # more waves than the requested shape (a CTA's splits then run side by side and merge on chip)
         per_sm = cta_blocks(warps, min_blocks, num_splits)
         units = batch * num_kv_heads
         if math.ceil(units / (sms * per_sm)) <= math.ceil(units * num_splits / (sms * warps * min_blocks)):
             merge_in_cta, warps, min_blocks = True, num_splits, per_sm
+    total = int(seqs.indptr[-1]) * num_kv_heads  # balanced runs walk the page lists from indptr[0] == 0
+    zero_based = int(seqs.indptr[0]) == 0
+    if balanced and not zero_based:
+        raise ValueError("balanced runs need a page table whose indptr starts at 0")
+    if balanced is None:
+        balanced = False
+        if AUTO_BALANCED and waves is None and given_splits is None and zero_based and not merge_in_cta:
+            even = split_cost(batch * num_kv_heads, max_pages, sms * warps * min_blocks, num_splits)
+            for w, mb in launches:
+                per, cost = balanced_run(total, sms * w * mb)
+                if per >= BALANCED_MIN_PAGES and cost <= BALANCED_MARGIN * even:
+                    balanced, warps, min_blocks, even = True, w, mb, cost
+    if balanced:
+        if merge_in_cta:  # a forced balanced plan: the launch shape, not the CTA merge's
+            merge_in_cta, (warps, min_blocks) = False, split_shape
+        grid_warps = balanced_warps or sms * warps * min_blocks
+        if grid_warps < 1:
+            raise ValueError(f"balanced_warps must be >= 1, got {balanced_warps}")
+        pages_per_split = max(1, math.ceil(total / grid_warps))
+        num_splits = math.ceil(max_pages / pages_per_split) + 1  # slots: the most pieces a unit can be cut into
     meta = torch.cat([seqs.kv_lens, torch.tensor([pages_per_split])]).to(torch.int32)  # one copy for both
     if buffers is None:
         indptr, indices, meta = (to_device(seqs.indptr, dev, torch.int32), to_device(kv_indices, dev, torch.int32),
@@ -358,7 +441,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, load_hint=load_hint, cta_merge=merge_in_cta,
-        stage=stage, buffers=buffers)
+        stage=stage, buffers=buffers, balanced=bool(balanced), grid_warps=grid_warps if balanced else 0)
     if num_splits > 1 and not merge_in_cta:
         if buffers is not None:
             p.opart, p.lse = buffers.parts(num_qo_heads, num_splits, head_dim)
@@ -394,8 +477,8 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
         check_tables(p, pool, group_start, group_desc)
     out = torch.empty_like(q) if out is None else out
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    launch(p, kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.load_hint, p.cta_merge, p.stage), q,
-           pool, group_start, group_desc, out)
+    launch(p, kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.load_hint, p.cta_merge, p.stage,
+                      p.balanced), q, pool, group_start, group_desc, out)
     return out
 
 
@@ -403,13 +486,16 @@ def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, po
            group_start: torch.Tensor, group_desc: torch.Tensor, out: torch.Tensor) -> None:
     """Launch ``k`` (zip_decode and zip_merge built for ``p``'s launch shape; :func:`run` takes them from
     :func:`kernels`, an A/B bench from other sources or defines) with no checks."""
-    split = p.num_splits > 1 and not p.cta_merge
-    grid = (math.ceil(p.batch * p.num_kv_heads * p.num_splits / p.warps), 1, 1)
+    split = (p.num_splits > 1 and not p.cta_merge) or p.balanced
+    grid = (math.ceil((p.grid_warps if p.balanced else p.batch * p.num_kv_heads * p.num_splits) / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.split_pages, p.num_splits, p.num_kv_heads,
         p.group, p.batch], smem=smem_bytes(p.head_dim, p.warps, p.stage))
-    if split:
+    if p.balanced:
+        k["zip_merge_balanced"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
+            p.opart, p.lse, out, p.indptr, p.split_pages, p.num_splits, p.num_qo_heads, p.group])
+    elif split:
         k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
             p.opart, p.lse, out, p.kv_lens, p.split_pages, p.num_splits, p.num_qo_heads])
 

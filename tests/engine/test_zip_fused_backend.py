@@ -152,7 +152,8 @@ def test_cuda_kernel_is_built_when_the_backend_is_made(monkeypatch):
         store = SimpleNamespace(geo=geo, device=torch.device(device), format_version=2)
         ZipFusedAttention(store, 32, 8, 128, fallback=None)
     stage = zc.default_stage(128)
-    assert sorted(built) == sorted((0, 128, 2, w, mb, 0, cm, stage) for w, mb, cm in zc.default_launches(128))
+    assert sorted(built) == sorted((0, 128, 2, w, mb, 0, cm, stage, bal)
+                                   for w, mb, cm, bal in zc.default_launches(128))
 
 
 def test_whole_step_graph_defaults_and_the_cpu_fallback():

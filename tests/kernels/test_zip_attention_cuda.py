@@ -135,8 +135,72 @@ def test_plan_takes_16_warps_per_sm_where_the_wave_model_rates_them_faster() -> 
         assert p.warps * p.min_blocks in (12, 16)
     assert mk(64, 512, warps=4, min_blocks=3).num_splits == 3  # a shape given by the caller is kept
     launches = zc.default_launches(128)
-    assert (4, 3, False) in launches and (4, 4, False) in launches
-    assert {w for w, _, c in launches if c} == set(range(2, zc.max_cta_splits(128, 1) + 1))
+    assert {(4, 3, False, False), (4, 4, False, False), (4, 3, False, True), (4, 4, False, True)} <= set(launches)
+    assert {w for w, _, c, _ in launches if c} == set(range(2, zc.max_cta_splits(128, 1) + 1))
+    assert not any(c and b for _, _, c, b in launches)
+
+
+def test_balanced_walk_covers_every_page_once() -> None:
+    """The BALANCED kernel's walk (host mirror, :func:`zc.balanced_pieces`): every page of every (sequence, KV head)
+    in exactly one piece, a unit's pieces numbered 0..k-1 in page order with k what the merge reads, and k within the
+    plan's partial slots; runs shorter and longer than the units, uneven lengths, a grid larger than the work."""
+    gen = np.random.default_rng(5)
+    for trial in range(60):
+        lens = gen.integers(1, 90, gen.integers(1, 9)).tolist()
+        hkv = int(gen.choice([1, 2, 8]))
+        indptr = [0, *np.cumsum(lens).tolist()]
+        total = hkv * indptr[-1]
+        warps = int(gen.integers(1, total + 5))
+        per = -(-total // warps)
+        pieces = zc.balanced_pieces(indptr, hkv, per, warps)
+        seen: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for w, b, h, k, p0, n in pieces:
+            assert n >= 1 and w * per <= (hkv * indptr[b] + h * lens[b] + p0) < (w + 1) * per
+            seen.setdefault((b, h), []).append((k, p0, n))
+        slots = -(-max(lens) // per) + 1
+        for b, length in enumerate(lens):
+            for h in range(hkv):
+                got = sorted(seen[(b, h)])
+                assert [k for k, _, _ in got] == list(range(len(got))) == list(range(
+                    zc.balanced_piece_count(indptr, hkv, per, b, h))), (trial, b, h)
+                assert [p0 for _, p0, _ in got] == list(np.cumsum([0] + [n for _, _, n in got])[:-1])
+                assert sum(n for _, _, n in got) == length and len(got) <= slots
+
+
+def test_plan_takes_balanced_runs_just_past_a_wave_boundary(monkeypatch) -> None:
+    """Off by default. With AUTO_BALANCED: 67 x 8 units of 520 pages leave 16-warps-per-SM even splits a nearly empty
+    last wave and a global merge (measured on the H200): balanced runs there, one wave of 2112 warps; none where even
+    splits fill the waves or merge in a CTA (64, 66, 90, 96) or runs would be short (2048-token contexts), none when
+    the split count is given; balanced never merges in a CTA."""
+    def mk(batch: int, pages: int, **kw) -> zc.CudaDecodePlan:
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+        return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
+                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
+
+    assert not zc.AUTO_BALANCED and not mk(67, 520).balanced
+    monkeypatch.setattr(zc, "AUTO_BALANCED", True)
+    assert [b for b in (52, 53, 64, 66, 67, 68, 69, 72, 90, 96) if mk(b, 520).balanced] == [53, 67, 68, 69]
+    p = mk(67, 520)
+    assert p.balanced and not p.cta_merge and (p.warps, p.min_blocks) == (4, 4) and p.grid_warps == 132 * 16
+    assert p.pages_per_split == -(-67 * 8 * 520 // 2112) and p.num_splits == -(-520 // p.pages_per_split) + 1
+    assert p.opart.shape == (67, 32, p.num_splits, 128) and p.split_pages.item() == p.pages_per_split
+    for batch, pages in ((66, 520), (64, 512), (32, 512), (96, 512), (96, 128), (32, 128), (67, 128)):
+        assert not mk(batch, pages).balanced, (batch, pages)
+    assert not mk(67, 520, num_splits=4).balanced and not mk(67, 520, balanced=False).balanced
+    q = mk(3, 40, balanced=True, balanced_warps=7, cta_merge=True)
+    assert q.balanced and not q.cta_merge and q.grid_warps == 7 and q.pages_per_split == -(-3 * 8 * 40 // 7)
+    assert (mk(66, 520, balanced=True).warps, mk(66, 520, balanced=True).min_blocks) == (4, 4)  # not the CTA's
+    assert zc.graph_key(q) is None and q.opart.shape[2] == q.num_splits
+    with pytest.raises(ValueError, match="indptr starts at 0"):
+        zc.plan(torch.tensor([5, 45], dtype=torch.int32), torch.arange(50, dtype=torch.int32),
+                torch.tensor([16], dtype=torch.int32), 32, 8, 128, device="cpu", balanced=True)
+    with pytest.raises(ValueError, match="merged in a CTA"):
+        zc.defines(128, 2, 4, 4, cta_merge=True, balanced=True)
+    bufs = zc.PlanBuffers(67, "cpu")
+    keys = {zc.graph_key(zc.plan(torch.arange(68, dtype=torch.int32) * n, torch.arange(67 * n, dtype=torch.int32),
+                                 torch.full((67,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", buffers=bufs,
+                                 balanced=True)) for n in range(513, 521)}
+    assert len(keys) == 1, "runs grow on the device: one graph for the whole stretch"
 
 
 def _pages(n: int, hkv: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -191,10 +255,11 @@ def _bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(bits.astype(np.int32)).to(torch.int16).view(torch.bfloat16).float()
 
 
-def _emulate(q, pool, starts, desc, indptr, indices, last, num_splits):
+def _emulate(q, pool, starts, desc, indptr, indices, last, num_splits, pieces=None):
     """The CUDA kernel's algorithm on the CPU: lane loads and rebuilds as the .cu does them, fp32 scores, base-2
     online softmax with the lazy rescale (max moves only past +8), bf16 P, fp32 accumulation, split outputs merged
-    by log-sum-exp. A check of the design and the byte layout the kernel relies on, not of the CUDA code itself."""
+    by log-sum-exp. ``pieces``: balanced runs' (warp, sequence, head, piece, first page, pages) instead of even
+    splits. A check of the design and the byte layout the kernel relies on, not of the CUDA code itself."""
     rebuild8 = _rebuild8_from_source()
     pool_np = pool.numpy()
     b_, hq, d = q.shape
@@ -211,8 +276,12 @@ def _emulate(q, pool, starts, desc, indptr, indices, last, num_splits):
         qg = q[b].float().view(hkv, grp, d)
         for h in range(hkv):
             parts = []
-            for split in range(num_splits):
-                pages = list(range(split * pps, min(npg[b], (split + 1) * pps)))
+            if pieces is None:
+                ranges = [range(split * pps, min(npg[b], (split + 1) * pps)) for split in range(num_splits)]
+            else:
+                ranges = [range(p0, p0 + n) for _, _, _, _, p0, n in sorted(x for x in pieces if x[1:3] == (b, h))]
+            for pages in ranges:
+                pages = list(pages)
                 if not pages:
                     continue
                 m, l, o = torch.full((grp,), float("-inf")), torch.zeros(grp), torch.zeros(grp, d)
@@ -258,6 +327,27 @@ def test_kernel_algorithm_emulated_on_cpu_matches_float64(head_dim: int, group: 
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("head_dim,group,version,warps", [(64, 4, 2, 5), (128, 8, 1, 3), (128, 1, 2, 40)])
+def test_balanced_runs_emulated_on_cpu_match_float64(head_dim: int, group: int, version: int, warps: int) -> None:
+    """The balanced walk's pieces (runs crossing sequence and head boundaries, several units in one run when runs
+    are long) through the emulated kernel and merge, against the float64 reference."""
+    gen = torch.Generator().manual_seed(23 + head_dim + group)
+    hkv, lens = 2, [1, 17, 90, 160]
+    npg = [(x + 15) // 16 for x in lens]
+    kv = _pages(sum(npg) + 3, hkv, head_dim, gen)
+    pool, starts, desc, _ = _mma_pool(kv, version)
+    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32)
+    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
+    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16()
+    per = -(-hkv * sum(npg) // warps)
+    pieces = zc.balanced_pieces(indptr.tolist(), hkv, per, warps)
+    assert any(n < npg[b] for _, b, _, _, _, n in pieces) or warps <= 3
+    ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
+    got = _emulate(q, pool, starts, desc, indptr, perm, last, 1, pieces=pieces)
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
+
+
 needs_cuda = pytest.mark.skipif(zc.unsupported() is not None, reason=str(zc.unsupported()))
 
 
@@ -291,6 +381,37 @@ def test_kernel_matches_float64_reference(head_dim: int, group: int, version: in
     assert err < 1e-2, err
     raw = zc.run(p, q, *zc.raw_pool(groups.contiguous()))  # the format-free control: same kernel, same answer
     assert float((raw.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("warps", [1, 7, 64, 1000])
+@pytest.mark.parametrize("stage", sorted(zc.STAGES))
+def test_balanced_runs_match_float64_reference(head_dim: int, group: int, version: int, warps: int,
+                                               stage: int) -> None:
+    """Balanced runs (one warp for everything, runs spanning several units, runs cut inside units, more warps than
+    pages) against the float64 reference, every output written."""
+    gen = torch.Generator().manual_seed(head_dim + group + version + warps)
+    hkv, lens = 2, [1, 15, 16, 17, 200, 777]
+    npg = [(x + 15) // 16 for x in lens]
+    kv = _pages(sum(npg) + 5, hkv, head_dim, gen).cuda()
+    pool, starts, desc, _ = _mma_pool(kv, version)
+    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32).cuda()
+    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
+    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
+    ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
+    p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, stage=stage, device="cuda",
+                balanced=True, balanced_warps=warps)
+    assert p.balanced and p.grid_warps == warps
+    out = torch.full_like(q, float("nan"))
+    zc.run(p, q, pool, starts, desc, out=out, check=True)
+    assert not out.isnan().any()
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < 1e-2, err
 
 
 @pytest.mark.gpu

@@ -1,10 +1,11 @@
 // ZipFusion paged decode attention over compressed pages, CUDA (sm_80+). Design notes, the Python side and the
 // launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
-// Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE, -DSTAGE); no
+// Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE, -DSTAGE,
+// -DBALANCED); no
 // header.
 //
 // One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
-// consecutive such units):
+// consecutive such units; with BALANCED, an equal run of all units' pages laid end to end, see zip_decode):
 //   S^T[16 tok x 8 heads] = K[16 x D] Q^T        mma.m16n8k16, K rebuilt straight into A fragments
 //   P^T = exp2(S^T - m) -> bf16, movmatrix.trans -> B fragments
 //   O^T[D x 8 heads]     += V^T[D x 16] P^T      mma.m16n8k16, V rebuilt straight into A fragments
@@ -37,6 +38,14 @@ typedef unsigned long long u64;
 // in shared memory at the end (no partials in global memory, no zip_merge launch).
 #ifndef CTA_MERGE
 #define CTA_MERGE 0
+#endif
+// BALANCED 1 (not with CTA_MERGE): warps take equal runs of all (sequence, KV head) page lists laid end to end
+// instead of even splits of each; zip_merge_balanced merges the pieces. See zip_decode.
+#ifndef BALANCED
+#define BALANCED 0
+#endif
+#if BALANCED && CTA_MERGE
+#error "BALANCED runs merge through global memory: it cannot be combined with CTA_MERGE"
 #endif
 // STAGE: where the next page's groups wait until they are used. 0: registers (8 x NB per lane for each of K and V);
 // 1: V in the warp's slot of shared memory, copied by cp.async; 2: K and V there. Staged groups free their
@@ -258,23 +267,14 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
-           const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
-           const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
-           float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch) {
-  // warps of a CTA take consecutive (sequence, KV head, split) units, splits innermost: none idles
-  const int lane = threadIdx.x & 31;
-  const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
-#if !CTA_MERGE  // with CTA_MERGE the grid is exact and every warp must reach the CTA's barrier
-  if (unit >= batch * hkv * num_splits) return;
-#endif
-  const int split = unit % num_splits, h = (unit / num_splits) % hkv, b = unit / (num_splits * hkv);
-  const int kv_len = kv_lens[b];
-  // pages per split from device memory, not a launch argument: a captured CUDA graph stays valid as contexts grow
-  const int pages_per_split = *split_pages;
-  const int p0 = split * pages_per_split;
-  const int n = min((kv_len + 15) / 16 - p0, pages_per_split);
+// Pages [p0, p0 + n) of sequence b's page list for KV head h: partial output and log-sum-exp into slot `split`
+// (or, with num_splits 1 and not BALANCED, the output itself; with CTA_MERGE, merged over the CTA's warps).
+__device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart,
+                                       float* __restrict__ lse, const int* __restrict__ indptr,
+                                       const int* __restrict__ indices, const u8* __restrict__ pool,
+                                       const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
+                                       float scale_log2, int num_splits, int hkv, int group, int lane, int b, int h,
+                                       int split, int p0, int n, int kv_len) {
 #if !CTA_MERGE
   if (n <= 0) return;  // a split past this sequence's end: the merge reads only splits that hold tokens
 #endif
@@ -509,7 +509,7 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
   }
 #endif
   const float i0 = 1.f / l0, i1 = 1.f / l1;
-  if (num_splits == 1) {
+  if (num_splits == 1 && !BALANCED) {
 #pragma unroll
     for (int i = 0; i < KS; ++i) {
       const int dim = 16 * i + g;
@@ -541,6 +541,75 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
       if (hd1 < group) lse[r1] = m1 + __log2f(l1);
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
+           const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
+           const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
+           float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch) {
+  const int lane = threadIdx.x & 31;
+  const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
+#if BALANCED
+  // Every (sequence, KV head)'s page list laid end to end, sequence-major, and cut into runs of *split_pages pages,
+  // one per warp, whatever the sequence boundaries: warps do equal work however the units fall on the SMs (even
+  // splits leave a last wave nearly empty just past a wave boundary). A run crossing a boundary attends one piece
+  // of each unit it meets; piece k of a unit is the k-th warp that touches it (zip_attention_cuda.balanced_pieces).
+  const long long per_warp = *split_pages, total = (long long)hkv * indptr[batch];
+  long long x = (long long)unit * per_warp;
+  if (x >= total) return;
+  const long long xe = min(x + per_warp, total);
+  int lo = 0, hi = batch - 1;  // the last sequence whose list starts at or before x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if ((long long)hkv * indptr[mid] <= x) lo = mid; else hi = mid - 1;
+  }
+  int b = lo;
+  while (x < xe) {
+    while ((long long)hkv * indptr[b + 1] <= x) ++b;  // past sequences without pages
+    const long long base = (long long)hkv * indptr[b];
+    const int len = indptr[b + 1] - indptr[b];
+    const int h = (int)((x - base) / len), p0 = (int)(x - base - (long long)h * len);
+    const int n = (int)min((long long)(len - p0), xe - x);
+    const int piece = unit - (int)((base + (long long)h * len) / per_warp);
+    attend(q, out, opart, lse, indptr, indices, pool, gstart, gdesc, scale_log2, num_splits, hkv, group, lane, b, h,
+           piece, p0, n, kv_lens[b]);
+    x += n;
+  }
+#else
+  // warps of a CTA take consecutive (sequence, KV head, split) units, splits innermost: none idles
+#if !CTA_MERGE  // with CTA_MERGE the grid is exact and every warp must reach the CTA's barrier
+  if (unit >= batch * hkv * num_splits) return;
+#endif
+  const int split = unit % num_splits, h = (unit / num_splits) % hkv, b = unit / (num_splits * hkv);
+  const int kv_len = kv_lens[b];
+  // pages per split from device memory, not a launch argument: a captured CUDA graph stays valid as contexts grow
+  const int pages_per_split = *split_pages;
+  const int p0 = split * pages_per_split;
+  attend(q, out, opart, lse, indptr, indices, pool, gstart, gdesc, scale_log2, num_splits, hkv, group, lane, b, h,
+         split, p0, min((kv_len + 15) / 16 - p0, pages_per_split), kv_len);
+#endif
+}
+
+// The BALANCED walk's merge: unit (b, KV head of hq) holds pieces 0..k-1, k the warps whose runs meet its pages.
+extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, const float* __restrict__ lse,
+                                              u16* __restrict__ out, const int* __restrict__ indptr,
+                                              const int* __restrict__ split_pages, int num_splits, int hq_total,
+                                              int group) {
+  const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
+  const long long per_warp = *split_pages, hkv = hq_total / group, len = indptr[b + 1] - indptr[b];
+  const long long first = hkv * indptr[b] + (hq / group) * len;
+  const int n = len > 0 ? (int)((first + len - 1) / per_warp - first / per_warp) + 1 : 0;
+  const long long row = ((long long)b * hq_total + hq) * num_splits;
+  float mx = NEG_INF;
+  for (int s = 0; s < n; ++s) mx = fmaxf(mx, lse[row + s]);
+  float sum = 0.f, acc = 0.f;
+  for (int s = 0; s < n; ++s) {
+    const float w = ex2(lse[row + s] - mx);
+    sum += w;
+    acc += w * opart[(row + s) * D + d];
+  }
+  out[((long long)b * hq_total + hq) * D + d] = to_bf16(acc / sum);
 }
 
 // out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge), one thread per dim.
