@@ -201,12 +201,12 @@ def build_source(source: str, device: int, defs: dict[str, int]) -> dict[str, cu
 
 def default_launches(head_dim: int) -> list[tuple[int, int, bool, bool]]:
     """(warps, min_blocks, cta_merge, balanced) of every kernel :func:`plan`'s default launch shape can pick: the
-    shape itself with even splits and with balanced runs, and one CTA-merge variant per split count it can merge in
-    a CTA."""
+    shape itself with even splits (and balanced runs, with :data:`AUTO_BALANCED` on), and one CTA-merge variant per
+    split count it can merge in a CTA."""
     d = _DEFAULTS[head_dim]
     out = []
     for w, mb in d["launches"][d["stage"]]:
-        out += [(w, mb, False, False), (w, mb, False, True)]
+        out += [(w, mb, False, False)] + ([(w, mb, False, True)] if AUTO_BALANCED else [])
         out += [(s, cta_blocks(w, mb, s), True, False) for s in range(2, max_cta_splits(head_dim, d["stage"]) + 1)]
     return sorted(set(out))
 
