@@ -84,3 +84,32 @@ def test_whole_step_zip_graph_replays_as_contexts_grow() -> None:
             assert llm.engine.runner.graphs.captures == 0
             assert llm.engine.store.counters["pages_compressed"] > 0
     assert out["full"] == out["eager"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_whole_step_zip_graph_with_balanced_runs_gives_the_eager_tokens(monkeypatch) -> None:
+    """Balanced runs of the CUDA kernel (forced, 7 warps: runs cross sequences and KV heads) captured in whole-step
+    graphs: pages per run and the partial slots come from the plan's fixed buffers as contexts grow and pages
+    compress, and the tokens are the eager engine's with the same runs."""
+    from kvtide.kernels import zip_attention_cuda as zc
+
+    plan, seen = zc.plan, []
+
+    def balanced_plan(*args, **kwargs):
+        p = plan(*args, **{**kwargs, "balanced": True, "balanced_warps": 7})
+        seen.append(p.balanced)
+        return p
+
+    monkeypatch.setattr(zc, "plan", balanced_plan)
+    prompts = [[(11 * i + 5 * j) % 991 + 1 for j in range(40 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    out = {}
+    for mode in ("eager", "full"):
+        llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0,
+                  cuda_graphs=mode == "full", cache=CacheConfig(compress=True, num_pages=64))
+        out[mode] = [r.token_ids for r in llm.generate(prompts, params)]
+        if mode == "full":
+            assert llm.engine.runner.full_graphs and llm.engine.runner.graphs.full_captures >= 1
+    assert seen and all(seen)
+    assert out["full"] == out["eager"]
