@@ -46,6 +46,10 @@ def test_gap_found_with_host_context_and_late_launch():
     [(k, w)] = r["host_waits"].items()
     assert k == "cudaEventSynchronize in kvtide.compress" and w["calls"] == 1 and w["ms_per_step"] == 0.1
     assert [s["device_busy_ms"] for s in r["per_step"]] == [0.6, 0.9]
+    assert r["small_gaps"]["count_per_step"] == 0  # the ops touch or overlap: no launch latency in between
+    r = analyze(_trace(), min_gap_us=500)  # the 400 us gap is now a small one, ended by the KV write
+    assert not r["largest_gaps"] and r["small_gaps"]["median_us"] == 400
+    assert r["small_gaps"]["ms_per_step"] == 0.2 and r["small_gaps"]["ms_per_step_by_next_family"] == {"kv write": 0.2}
 
 
 def test_load_gzipped(tmp_path):
