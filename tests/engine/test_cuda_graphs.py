@@ -66,24 +66,28 @@ def test_whole_step_graphs_with_flashinfer_give_the_piecewise_tokens() -> None:
     assert out[True] == out[False]
 
 
+def _zip_decode(max_tokens: int, graphs: bool) -> tuple[list[list[int]], LLM]:
+    """Greedy tokens of four prompts of different lengths over compressed pages (random tiny model, float32, the
+    CUDA zip kernel's shape), eager or with CUDA graphs (whole steps, zip's default), and the engine."""
+    prompts = [[(11 * i + 5 * j) % 991 + 1 for j in range(40 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0, cuda_graphs=graphs,
+              cache=CacheConfig(compress=True, num_pages=64))
+    return [r.token_ids for r in llm.generate(prompts, params)], llm
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_whole_step_zip_graph_replays_as_contexts_grow() -> None:
     """One batch decoding 80 steps across five page boundaries (pages compress between replays, pages per split
     changes): whole-step graphs by default for zip, few captures (the tiny contexts move the split count while
     they are a few pages long), many replays, the eager engine's tokens."""
-    prompts = [[(11 * i + 5 * j) % 991 + 1 for j in range(40 + 9 * i)] for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
-    out = {}
-    for mode in ("eager", "full"):
-        llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0,
-                  cuda_graphs=mode == "full", cache=CacheConfig(compress=True, num_pages=64))
-        out[mode] = [r.token_ids for r in llm.generate(prompts, params)]
-        if mode == "full":
-            assert llm.engine.runner.full_graphs and 1 <= llm.engine.runner.graphs.full_captures <= 3
-            assert llm.engine.runner.graphs.captures == 0
-            assert llm.engine.store.counters["pages_compressed"] > 0
-    assert out["full"] == out["eager"]
+    eager, _ = _zip_decode(max_tokens=80, graphs=False)
+    full, llm = _zip_decode(max_tokens=80, graphs=True)
+    assert llm.engine.runner.full_graphs and 1 <= llm.engine.runner.graphs.full_captures <= 3
+    assert llm.engine.runner.graphs.captures == 0
+    assert llm.engine.store.counters["pages_compressed"] > 0
+    assert full == eager
 
 
 @pytest.mark.gpu
@@ -102,14 +106,8 @@ def test_whole_step_zip_graph_with_balanced_runs_gives_the_eager_tokens(monkeypa
         return p
 
     monkeypatch.setattr(zc, "plan", balanced_plan)
-    prompts = [[(11 * i + 5 * j) % 991 + 1 for j in range(40 + 9 * i)] for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    out = {}
-    for mode in ("eager", "full"):
-        llm = LLM("random:tiny-d128", progress=False, device="cuda", dtype="float32", seed=0,
-                  cuda_graphs=mode == "full", cache=CacheConfig(compress=True, num_pages=64))
-        out[mode] = [r.token_ids for r in llm.generate(prompts, params)]
-        if mode == "full":
-            assert llm.engine.runner.full_graphs and llm.engine.runner.graphs.full_captures >= 1
+    eager, _ = _zip_decode(max_tokens=48, graphs=False)
+    full, llm = _zip_decode(max_tokens=48, graphs=True)
+    assert llm.engine.runner.full_graphs and llm.engine.runner.graphs.full_captures >= 1
     assert seen and all(seen)
-    assert out["full"] == out["eager"]
+    assert full == eager

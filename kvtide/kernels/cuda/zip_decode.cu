@@ -591,15 +591,10 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 #endif
 }
 
-// The BALANCED walk's merge: unit (b, KV head of hq) holds pieces 0..k-1, k the warps whose runs meet its pages.
-extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, const float* __restrict__ lse,
-                                              u16* __restrict__ out, const int* __restrict__ indptr,
-                                              const int* __restrict__ split_pages, int num_splits, int hq_total,
-                                              int group) {
-  const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
-  const long long per_warp = *split_pages, hkv = hq_total / group, len = indptr[b + 1] - indptr[b];
-  const long long first = hkv * indptr[b] + (hq / group) * len;
-  const int n = len > 0 ? (int)((first + len - 1) / per_warp - first / per_warp) + 1 : 0;
+// out[b, hq, d] = sum_s 2^(lse_s - lse) o_s over pieces 0..n-1 of row (b, hq) (log-sum-exp merge): both merges.
+__device__ __forceinline__ void merge_pieces(const float* __restrict__ opart, const float* __restrict__ lse,
+                                             u16* __restrict__ out, int b, int hq, int d, int n, int num_splits,
+                                             int hq_total) {
   const long long row = ((long long)b * hq_total + hq) * num_splits;
   float mx = NEG_INF;
   for (int s = 0; s < n; ++s) mx = fmaxf(mx, lse[row + s]);
@@ -612,6 +607,18 @@ extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, c
   out[((long long)b * hq_total + hq) * D + d] = to_bf16(acc / sum);
 }
 
+// The BALANCED walk's merge: unit (b, KV head of hq) holds pieces 0..k-1, k the warps whose runs meet its pages.
+extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, const float* __restrict__ lse,
+                                              u16* __restrict__ out, const int* __restrict__ indptr,
+                                              const int* __restrict__ split_pages, int num_splits, int hq_total,
+                                              int group) {
+  const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
+  const long long per_warp = *split_pages, hkv = hq_total / group, len = indptr[b + 1] - indptr[b];
+  const long long first = hkv * indptr[b] + (hq / group) * len;
+  const int n = len > 0 ? (int)((first + len - 1) / per_warp - first / per_warp) + 1 : 0;
+  merge_pieces(opart, lse, out, b, hq, d, n, num_splits, hq_total);
+}
+
 // out[b, hq] = sum_s 2^(lse_s - lse) o_s over the splits that hold tokens (log-sum-exp merge), one thread per dim.
 extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
                                      u16* __restrict__ out, const int* __restrict__ kv_lens,
@@ -619,14 +626,5 @@ extern "C" __global__ void zip_merge(const float* __restrict__ opart, const floa
   const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
   const int split_tokens = 16 * *split_pages;
   const int n = (kv_lens[b] + split_tokens - 1) / split_tokens;
-  const long long row = ((long long)b * hq_total + hq) * num_splits;
-  float mx = NEG_INF;
-  for (int s = 0; s < n; ++s) mx = fmaxf(mx, lse[row + s]);
-  float sum = 0.f, acc = 0.f;
-  for (int s = 0; s < n; ++s) {
-    const float w = ex2(lse[row + s] - mx);
-    sum += w;
-    acc += w * opart[(row + s) * D + d];
-  }
-  out[((long long)b * hq_total + hq) * D + d] = to_bf16(acc / sum);
+  merge_pieces(opart, lse, out, b, hq, d, n, num_splits, hq_total);
 }
