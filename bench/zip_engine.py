@@ -468,6 +468,22 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             runs[key]["full_cuda_graphs"] = eng.runner.full_graphs
             eng.runner.full_graphs = not eng.runner.full_graphs
             rows.append((key, runs[key]))
+        for flag, rounds, names in (("AUTO_BALANCED", a.other_balanced, ("balanced", "even")),
+                                    ("AUTO_TAIL_MERGE", a.other_tail_merge, ("tail_merge", "merge_launch"))):
+            if not (rounds and compress and b == largest):
+                continue
+            # rounds of a kernel rule the other way, then as given: same engine, same sequences, alternated
+            from kvtide.kernels import zip_attention_cuda as zc
+
+            given = getattr(zc, flag)
+            for rnd in range(1, rounds + 1):
+                for toggle in (True, False):
+                    setattr(zc, flag, given != toggle)
+                    key = f"{b}_{names[0] if getattr(zc, flag) else names[1]}_{rnd}"
+                    runs[key] = timed(eng, [prompt(i, a.context, vocab) for i in range(b)], steps, proxy, sync)
+                    runs[key][flag.lower()] = getattr(zc, flag)
+                    rows.append((key, runs[key]))
+            setattr(zc, flag, given)
         r["full_cuda_graphs"] = eng.runner.full_graphs
         if partial is not None:
             partial({**out, "largest_batch": largest, "runs": dict(runs)})
@@ -573,9 +589,18 @@ def main() -> None:
     ap.add_argument("--zip-options", default=None,
                     help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
                          "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
-    ap.add_argument("--zip-balanced", action="store_true",
-                    help="CUDA kernel: balanced runs where zip_attention_cuda's rule takes them (AUTO_BALANCED; off by "
-                         "default)")
+    ap.add_argument("--zip-balanced", choices=("on", "off"), default=None,
+                    help="CUDA kernel: balanced runs where zip_attention_cuda's rule takes them (AUTO_BALANCED; "
+                         "default: as shipped, on) or never")
+    ap.add_argument("--other-balanced", type=int, default=0,
+                    help="zip: after its largest batch, this many rounds of (balanced-runs rule the other way, then as "
+                         "given), same engine; runs '<batch>_balanced_<i>' and '<batch>_even_<i>'")
+    ap.add_argument("--other-tail-merge", type=int, default=0,
+                    help="zip: after its largest batch, this many rounds of (tail-merge rule the other way, then as "
+                         "given), same engine; runs '<batch>_tail_merge_<i>' and '<batch>_merge_launch_<i>'")
+    ap.add_argument("--zip-tail-merge", choices=("on", "off"), default=None,
+                    help="CUDA kernel: split partials merged by each unit's last warp instead of a merge launch "
+                         "(AUTO_TAIL_MERGE; default: as shipped, off)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
@@ -597,15 +622,20 @@ def main() -> None:
     batches = sorted({int(b) for b in a.batches.split(",")})
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
-    if a.zip_balanced:
-        from kvtide.kernels import zip_attention_cuda as zc
-        zc.AUTO_BALANCED = True
+    from kvtide.kernels import zip_attention_cuda as zc
+    if a.zip_balanced is not None:
+        zc.AUTO_BALANCED = a.zip_balanced == "on"
+    a.zip_balanced = zc.AUTO_BALANCED
+    if a.zip_tail_merge is not None:
+        zc.AUTO_TAIL_MERGE = a.zip_tail_merge == "on"
+    a.zip_tail_merge = zc.AUTO_TAIL_MERGE
     zip_options = load_zip_options(a.zip_options, a.context)
     if zip_options:
         from kvtide.kernels import zip_attention as za
         za.set_defaults("zip", **zip_options)
     res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention",
                  "cuda_kernel_stage": _cuda_stage(args.head_dim), "cuda_kernel_balanced_rule": a.zip_balanced,
+                 "cuda_kernel_tail_merge": a.zip_tail_merge,
                  "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,
@@ -616,7 +646,8 @@ def main() -> None:
                            "format_version": a.format_version, "async_scheduling": a.async_scheduling,
                            "other_mode": a.other_mode, "compress_spread_steps": a.compress_spread_steps,
                            "graphs": a.graphs if a.cuda_graphs else None,
-                           "other_graph_mode": a.other_graph_mode,
+                           "other_graph_mode": a.other_graph_mode, "other_balanced_rounds": a.other_balanced,
+                           "other_tail_merge_rounds": a.other_tail_merge,
                            "page_lookahead": a.page_lookahead,
                            "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
                                            "batch decodes and nothing else runs)"}}

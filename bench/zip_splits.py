@@ -42,6 +42,9 @@ def main() -> None:
     ap.add_argument("--balanced", action="store_true",
                     help="instead of the sweep: the plan's choice, even splits (balanced=False) and balanced runs "
                          "(balanced=True), each batch, in turn for --rounds rounds")
+    ap.add_argument("--tail-merge", action="store_true",
+                    help="with --balanced: also even splits and balanced runs merged by each unit's last warp "
+                         "(tail_merge=True) instead of a merge launch")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--contexts", type=int, nargs="*", default=[],
                     help="with --balanced: more contexts after --context (each its own pool of pages)")
@@ -83,12 +86,16 @@ def main() -> None:
                     raise AssertionError(f"batch {b} {opts}: outputs not all written or rel. err {err:.2e}")
                 us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.rep)
                 return dict(splits=p.num_splits, pages_per_split=p.pages_per_split, warps=p.warps,
-                            min_blocks=p.min_blocks, cta_merge=p.cta_merge, balanced=p.balanced, us=us,
+                            min_blocks=p.min_blocks, cta_merge=p.cta_merge, balanced=p.balanced,
+                            tail_merge=p.tail_merge, us=us,
                             rel_err_f64=err)
 
             own = timed()
             if args.balanced:
                 modes = {"plan": {}, "even": {"balanced": False}, "balanced": {"balanced": True}}  # plan: the default
+                if args.tail_merge:
+                    modes.update(even_tail={"balanced": False, "tail_merge": True},
+                                 balanced_tail={"balanced": True, "tail_merge": True})
                 rounds = {m: [] for m in ("flashinfer", *modes)}
                 for _ in range(args.rounds):
                     rounds["flashinfer"].append(bench(lambda: fi.run(q, kv), args.rep))
@@ -98,7 +105,15 @@ def main() -> None:
                 row = dict(batch=b, context=ctx, rounds=rounds, median_us=med,
                            plan=rounds["plan"][0], even=rounds["even"][0], balanced=rounds["balanced"][0],
                            even_over_balanced=med["even"] / med["balanced"], fi_over_plan=med["flashinfer"] / med["plan"])
+                if args.tail_merge:
+                    row.update(even_over_even_tail=med["even"] / med["even_tail"],
+                               balanced_over_balanced_tail=med["balanced"] / med["balanced_tail"],
+                               tail_merged={m: rounds[m][0]["tail_merge"] for m in ("even_tail", "balanced_tail")})
                 rows.append(row)
+                if args.tail_merge:
+                    print(f"ctx {ctx:5d} batch {b:3d}: tail merge: even {med['even_tail']:7.1f} us "
+                          f"(merge launch / tail {row['even_over_even_tail']:.3f}), balanced {med['balanced_tail']:7.1f} "
+                          f"({row['balanced_over_balanced_tail']:.3f})", flush=True)
                 print(f"ctx {ctx:5d} batch {b:3d}: FlashInfer {med['flashinfer']:7.1f} us | plan "
                       f"{'balanced' if row['plan']['balanced'] else 'even'} {med['plan']:7.1f} | even "
                       f"{row['even']['splits']:2d} splits cta {int(row['even']['cta_merge'])} {med['even']:7.1f} | balanced "

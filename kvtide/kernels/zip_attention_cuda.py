@@ -21,8 +21,10 @@ partial outputs and base-2 log-sum-exps in shared memory, 4-5 us less per call o
 for the ``zip_merge`` launch, which remains for more splits than a CTA holds. Even splits leave the last wave nearly
 empty just past a wave boundary (67 x 8 KV heads on 132 SMs x 16 warps); ``plan(balanced=True)`` instead lays every
 (sequence, KV head) page list end to end and gives each warp an equal run of it, crossing unit boundaries
-(``zip_merge_balanced`` merges the pieces): 1.9% faster at that shape, slower where even splits merge in a CTA, so it
-is opt-in (:data:`AUTO_BALANCED`). Raw blocks (the page being written,
+(``zip_merge_balanced`` merges the pieces): 1.9% faster at that shape, slower where even splits merge in a CTA, so
+:data:`AUTO_BALANCED` takes it only where even splits would not. Where partials still go through global memory,
+``plan(tail_merge=True)`` has the last warp of each (sequence, KV head) merge them (a counter per unit) in place of
+the merge launch (:data:`AUTO_TAIL_MERGE`, off until measured on the GPU). Raw blocks (the page being written,
 blocks the format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is
 the format-free control.
 
@@ -68,8 +70,15 @@ SPLITS_HINT_MARGIN = 1.10  # plan(splits_hint=): kept while the wave model rates
 # splits, and each warp's run holds at least BALANCED_MIN_PAGES pages. Measured on the H200 (v2, 8320-token contexts,
 # bench/results/zip_splits_balanced_h200.json, 3 interleaved rounds): faster where the rule takes them (53, 67, 68, 69
 # sequences: 1.5 / 1.9 / 0.4 / 0.7%), slower against CTA-merged even splits (64, 66, 90, 96: 1.1-2.8%) and at
-# 2048-token contexts (runs of 26-63 pages: 0-6%). Off by default until measured inside the engine.
-AUTO_BALANCED = False
+# 2048-token contexts (runs of 26-63 pages: 0-6%). In the engine (8B shape, 67 sequences of 8K, whole-step graphs,
+# two interleaved rounds on one engine, bench/results/zip_engine_other_balanced_h200.json): 21.71 / 21.66 ms per step
+# against 21.82 / 21.78 with even splits, 0.5% faster.
+AUTO_BALANCED = True
+# Tail merge (zip_decode.cu TAIL_MERGE), plan(tail_merge=None) with AUTO_TAIL_MERGE: where partials go through global
+# memory (even splits a CTA cannot merge, balanced runs), the last warp to finish a (sequence, KV head) merges its
+# pieces, so no zip_merge launch follows (0.19 ms of a 21.3 ms step at 67 x 8K on the H200, profile of
+# bench/results/zip_engine_profile67_h200.json). Off until measured on the GPU.
+AUTO_TAIL_MERGE = False
 BALANCED_MARGIN = 0.92
 BALANCED_MIN_PAGES = 64
 STAGES = {0: "K and V in registers", 1: "V staged in shared memory (cp.async)", 2: "K and V staged in shared memory"}
@@ -172,18 +181,22 @@ def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_
 
 @functools.cache
 def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
-            cta_merge: bool = False, stage: int = 0, balanced: bool = False) -> dict[str, cuda_jit.Kernel]:
+            cta_merge: bool = False, stage: int = 0, balanced: bool = False,
+            tail_merge: bool = False) -> dict[str, cuda_jit.Kernel]:
     return build_source(SOURCE.read_text(), device, defines(head_dim, version, warps, min_blocks, load_hint,
-                                                             cta_merge, stage, balanced))
+                                                             cta_merge, stage, balanced, tail_merge))
 
 
 def defines(head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
-            cta_merge: bool = False, stage: int = 0, balanced: bool = False) -> dict[str, int]:
+            cta_merge: bool = False, stage: int = 0, balanced: bool = False,
+            tail_merge: bool = False) -> dict[str, int]:
     """The compile-time constants of one launch shape (cuda/zip_decode.cu's -D list)."""
     if balanced and cta_merge:
         raise ValueError("balanced runs merge through global memory: they cannot be merged in a CTA")
+    if tail_merge and cta_merge:
+        raise ValueError("the tail merge merges partials in global memory: it cannot be combined with a CTA merge")
     return dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks, LOAD_HINT=load_hint,
-                CTA_MERGE=int(cta_merge), STAGE=stage, BALANCED=int(balanced))
+                CTA_MERGE=int(cta_merge), STAGE=stage, BALANCED=int(balanced), TAIL_MERGE=int(tail_merge))
 
 
 def smem_bytes(head_dim: int, warps: int, stage: int) -> int:
@@ -228,7 +241,7 @@ def build(device: torch.device | str | int, head_dim: int, version: int) -> None
     launches = default_launches(head_dim)
     with ThreadPoolExecutor(max_workers=min(8, len(launches))) as ex:
         stage = default_stage(head_dim)
-        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage, bal)
+        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage, bal, AUTO_TAIL_MERGE and not cm)
                   for w, mb, cm, bal in launches]:
             f.result()
 
@@ -256,6 +269,7 @@ class PlanBuffers:
         self.indices = torch.zeros(0, dtype=torch.int32, device=self.device)
         self.generation = 0  # bumped whenever a buffer a graph may hold is replaced
         self._parts: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._arrive: torch.Tensor | None = None
 
     def page_ids(self, nnz: int) -> torch.Tensor:
         """The page-id buffer, at least ``nnz`` long."""
@@ -264,6 +278,12 @@ class PlanBuffers:
                                        device=self.device)
             self.generation += 1
         return self.indices
+
+    def arrivals(self, num_kv_heads: int) -> torch.Tensor:
+        """The tail merge's counters, one per (sequence, KV head), zero between launches (each launch re-arms them)."""
+        if self._arrive is None or self._arrive.numel() != self.batch * num_kv_heads:
+            self._arrive = torch.zeros(self.batch * num_kv_heads, dtype=torch.int32, device=self.device)
+        return self._arrive
 
     def parts(self, num_qo_heads: int, splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split partials (outputs, base-2 log-sum-exps) for the zip_merge launch, one pair per shape."""
@@ -300,6 +320,8 @@ class CudaDecodePlan:
     # num_splits is then the partial slots per unit (the most pieces a unit can be cut into)
     balanced: bool = False
     grid_warps: int = 0
+    tail_merge: bool = False  # the last warp of each unit merges its partials (TAIL_MERGE): no zip_merge launch
+    arrive: torch.Tensor | None = field(default=None, repr=False)  # int32 [B * Hkv], the tail merge's counters
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
 
@@ -316,7 +338,7 @@ def graph_key(p: CudaDecodePlan) -> tuple | None:
     if p.buffers is None:
         return None
     return (p.batch, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.version, p.num_splits, p.warps, p.min_blocks,
-            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, float(p.sm_scale), id(p.buffers),
+            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, p.tail_merge, float(p.sm_scale), id(p.buffers),
             p.buffers.generation)
 
 
@@ -326,7 +348,7 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
          min_blocks: int | None = None, waves: float | None = None, load_hint: int = 0,
          cta_merge: bool = True, stage: int | None = None, device: torch.device | str | None = None,
          buffers: PlanBuffers | None = None, splits_hint: int | None = None, balanced: bool | None = None,
-         balanced_warps: int | None = None) -> CudaDecodePlan:
+         balanced_warps: int | None = None, tail_merge: bool | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
@@ -342,9 +364,10 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     :data:`SPLITS_HINT_MARGIN` of its own choice; small batches' best count moves with every few pages of context,
     and each move would cost a graph capture. ``balanced``: cut all units' pages, laid end to end, into equal runs,
     one per warp (:func:`balanced_pieces`), instead of even splits of each unit; None: by the rule beside
-    :data:`AUTO_BALANCED` when that is on (off by default), else even splits; ``balanced_warps``: the grid's warps
+    :data:`AUTO_BALANCED` when that is on (the default), else even splits; ``balanced_warps``: the grid's warps
     (default one wave of the launch shape). Pages per run are read from device memory, so a graph stays valid as
-    contexts grow."""
+    contexts grow. ``tail_merge``: where partials go through global memory, the last warp of each (sequence, KV
+    head) merges them instead of a ``zip_merge`` launch (None: :data:`AUTO_TAIL_MERGE`, off)."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
                          f"(need 1..{MAX_GROUP})")
@@ -448,6 +471,10 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         else:
             p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
             p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
+        if AUTO_TAIL_MERGE if tail_merge is None else tail_merge:
+            p.tail_merge = True
+            p.arrive = (buffers.arrivals(num_kv_heads) if buffers is not None else
+                        torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=dev))
     return p
 
 
@@ -478,7 +505,7 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
     out = torch.empty_like(q) if out is None else out
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     launch(p, kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.load_hint, p.cta_merge, p.stage,
-                      p.balanced), q, pool, group_start, group_desc, out)
+                      p.balanced, p.tail_merge), q, pool, group_start, group_desc, out)
     return out
 
 
@@ -491,7 +518,9 @@ def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, po
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.split_pages, p.num_splits, p.num_kv_heads,
-        p.group, p.batch], smem=smem_bytes(p.head_dim, p.warps, p.stage))
+        p.group, p.batch, p.arrive if p.tail_merge else p.kv_lens], smem=smem_bytes(p.head_dim, p.warps, p.stage))
+    if p.tail_merge:  # merged by each unit's last warp
+        return
     if p.balanced:
         k["zip_merge_balanced"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
             p.opart, p.lse, out, p.indptr, p.split_pages, p.num_splits, p.num_qo_heads, p.group])

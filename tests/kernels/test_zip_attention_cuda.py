@@ -134,13 +134,13 @@ def test_plan_takes_16_warps_per_sm_where_the_wave_model_rates_them_faster() -> 
         assert p.stage == 1 and p.cta_merge and (p.num_splits, p.warps, p.min_blocks) == want, (batch, pages)
         assert p.warps * p.min_blocks in (12, 16)
     assert mk(64, 512, warps=4, min_blocks=3).num_splits == 3  # a shape given by the caller is kept
-    launches = zc.default_launches(128)
-    assert {(4, 3, False, False), (4, 4, False, False)} <= set(launches) and not any(b for *_, b in launches)
+    launches = zc.default_launches(128)  # the balanced rule is on by default: the engine builds those kernels too
+    assert {(4, 3, False, False), (4, 4, False, False), (4, 3, False, True), (4, 4, False, True)} <= set(launches)
     assert {w for w, _, c, _ in launches if c} == set(range(2, zc.max_cta_splits(128, 1) + 1))
-    with pytest.MonkeyPatch.context() as mp:  # with the balanced rule on, the engine builds those kernels too
-        mp.setattr(zc, "AUTO_BALANCED", True)
-        launches = zc.default_launches(128)
-    assert {(4, 3, False, True), (4, 4, False, True)} <= set(launches) and not any(c and b for _, _, c, b in launches)
+    assert not any(c and b for _, _, c, b in launches)
+    with pytest.MonkeyPatch.context() as mp:  # with the rule off, no balanced kernel is built
+        mp.setattr(zc, "AUTO_BALANCED", False)
+        assert not any(b for *_, b in zc.default_launches(128))
 
 
 def test_balanced_walk_covers_every_page_once() -> None:
@@ -171,7 +171,7 @@ def test_balanced_walk_covers_every_page_once() -> None:
 
 
 def test_plan_takes_balanced_runs_just_past_a_wave_boundary(monkeypatch) -> None:
-    """Off by default. With AUTO_BALANCED: 67 x 8 units of 520 pages leave 16-warps-per-SM even splits a nearly empty
+    """With AUTO_BALANCED (the default): 67 x 8 units of 520 pages leave 16-warps-per-SM even splits a nearly empty
     last wave and a global merge (measured on the H200): balanced runs there, one wave of 2112 warps; none where even
     splits fill the waves or merge in a CTA (64, 66, 90, 96) or runs would be short (2048-token contexts), none when
     the split count is given; balanced never merges in a CTA."""
@@ -180,7 +180,9 @@ def test_plan_takes_balanced_runs_just_past_a_wave_boundary(monkeypatch) -> None
         return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
                        torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
 
-    assert not zc.AUTO_BALANCED and not mk(67, 520).balanced
+    assert zc.AUTO_BALANCED
+    monkeypatch.setattr(zc, "AUTO_BALANCED", False)
+    assert not mk(67, 520).balanced
     monkeypatch.setattr(zc, "AUTO_BALANCED", True)
     assert [b for b in (52, 53, 64, 66, 67, 68, 69, 72, 90, 96) if mk(b, 520).balanced] == [53, 67, 68, 69]
     p = mk(67, 520)
@@ -419,6 +421,42 @@ def test_balanced_runs_match_float64_reference(head_dim: int, group: int, versio
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("form", ["splits", "balanced_1", "balanced_7", "balanced_1000"])
+@pytest.mark.parametrize("stage", sorted(zc.STAGES))
+def test_tail_merge_gives_zip_merges_bits_and_rearms_its_counters(head_dim: int, group: int, version: int, form: str,
+                                                                  stage: int) -> None:
+    """The last warp of each (sequence, KV head) merging its partials (TAIL_MERGE) writes the very bits zip_merge
+    writes, for even splits and balanced runs (one warp, runs across units, more warps than pages); every counter
+    is back at zero after a launch, so a second launch (the next layer, a graph replay) gives the same bits."""
+    gen = torch.Generator().manual_seed(head_dim + group + version + stage)
+    hkv, lens = 2, [1, 15, 16, 17, 200, 777]
+    npg = [(x + 15) // 16 for x in lens]
+    kv = _pages(sum(npg) + 5, hkv, head_dim, gen).cuda()
+    pool, starts, desc, _ = _mma_pool(kv, version)
+    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32).cuda()
+    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
+    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
+    kw = (dict(num_splits=3, cta_merge=False) if form == "splits" else
+          dict(balanced=True, balanced_warps=int(form.split("_")[1])))
+    outs = {}
+    for tail in (False, True):
+        p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, stage=stage, device="cuda",
+                    tail_merge=tail, **kw)
+        assert p.tail_merge == tail
+        outs[tail] = [zc.run(p, q, pool, starts, desc, out=torch.full_like(q, float("nan")), check=True)
+                      for _ in range(2)]
+        if tail:
+            assert not p.arrive.any(), "a counter was left armed"
+    assert not outs[True][0].isnan().any()
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[True][0])
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("load_hint", sorted(set(zc.LOAD_HINTS) - {0}))
 def test_load_hints_change_no_output_bit(load_hint: int) -> None:
     """Cache hints on the KV loads are a launch option (bench/zip_attention.py --load-hints): same bits out."""
@@ -481,6 +519,30 @@ def test_run_refuses_a_pool_beyond_the_kernels_reach(monkeypatch) -> None:
     with pytest.raises(ValueError, match="addresses pools up to"):
         zc.run(p, q, torch.zeros(2048, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.int64),
                torch.zeros(1, 2, 2, 4, dtype=torch.uint8))
+
+
+def test_plan_takes_the_tail_merge_only_where_partials_go_through_global_memory() -> None:
+    """``tail_merge=True``: even splits a CTA does not merge and balanced runs get the per-unit counters (zeroed, one
+    per sequence and KV head; the fixed buffers' own in a graph plan) and a graph key of their own; one split, or
+    splits merged in a CTA, have nothing to merge in the tail; off by default; a CTA merge and a tail merge cannot be
+    compiled together."""
+    indptr = torch.tensor([0, 40, 80, 120], dtype=torch.int32)
+    t = (indptr, torch.arange(120, dtype=torch.int32), torch.full((3,), 16, dtype=torch.int32), 32, 8, 128)
+    assert not zc.AUTO_TAIL_MERGE and not zc.plan(*t, device="cpu", num_splits=3, cta_merge=False).tail_merge
+    for kw in (dict(num_splits=3, cta_merge=False), dict(balanced=True, balanced_warps=7)):
+        p = zc.plan(*t, device="cpu", tail_merge=True, **kw)
+        assert p.tail_merge and p.arrive.dtype == torch.int32 and p.arrive.shape == (3 * 8,) and not p.arrive.any()
+        bufs = zc.PlanBuffers(3, "cpu")
+        g = zc.plan(*t, device="cpu", tail_merge=True, buffers=bufs, **kw)
+        again = zc.plan(*t, device="cpu", tail_merge=True, buffers=bufs, **kw)
+        assert g.arrive is bufs.arrivals(8) and again.arrive is g.arrive
+        assert zc.graph_key(g) != zc.graph_key(zc.plan(*t, device="cpu", tail_merge=False, buffers=bufs, **kw))
+    for kw in (dict(num_splits=1), dict(num_splits=3, cta_merge=True)):
+        p = zc.plan(*t, device="cpu", tail_merge=True, **kw)
+        assert not p.tail_merge and p.arrive is None
+    with pytest.raises(ValueError, match="CTA merge"):
+        zc.defines(128, 2, 3, 4, cta_merge=True, tail_merge=True)
+    assert zc.defines(128, 2, 4, 4, tail_merge=True)["TAIL_MERGE"] == 1
 
 
 def test_plan_into_fixed_buffers_matches_a_fresh_plan_and_keeps_its_graph_key() -> None:

@@ -1,8 +1,7 @@
 // ZipFusion paged decode attention over compressed pages, CUDA (sm_80+). Design notes, the Python side and the
 // launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
 // Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE, -DSTAGE,
-// -DBALANCED); no
-// header.
+// -DBALANCED, -DTAIL_MERGE); no header.
 //
 // One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
 // consecutive such units; with BALANCED, an equal run of all units' pages laid end to end, see zip_decode):
@@ -46,6 +45,14 @@ typedef unsigned long long u64;
 #endif
 #if BALANCED && CTA_MERGE
 #error "BALANCED runs merge through global memory: it cannot be combined with CTA_MERGE"
+#endif
+// TAIL_MERGE 1 (not with CTA_MERGE): split partials still go through global memory, but the last warp to finish a
+// (sequence, KV head) merges them (a counter per unit, re-armed by that warp), so no zip_merge launch follows.
+#ifndef TAIL_MERGE
+#define TAIL_MERGE 0
+#endif
+#if TAIL_MERGE && CTA_MERGE
+#error "TAIL_MERGE merges partials written to global memory: it cannot be combined with CTA_MERGE"
 #endif
 // STAGE: where the next page's groups wait until they are used. 0: registers (8 x NB per lane for each of K and V);
 // 1: V in the warp's slot of shared memory, copied by cp.async; 2: K and V there. Staged groups free their
@@ -269,12 +276,53 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
 
 // Pages [p0, p0 + n) of sequence b's page list for KV head h: partial output and log-sum-exp into slot `split`
 // (or, with num_splits 1 and not BALANCED, the output itself; with CTA_MERGE, merged over the CTA's warps).
+#if TAIL_MERGE
+// The warp that finishes unit ``unit_id``'s last piece merges all ``npieces`` of them (log-sum-exp, as zip_merge
+// does) into out, then re-arms the unit's counter for the next launch. Every warp fences its partials before it
+// counts itself in; the merging warp fences again and reads the partials through L2 (ld.global.cg), not the
+// read-only path: they were written in this launch.
+__device__ __forceinline__ void tail_merge(const float* opart, const float* lse, u16* out, int* arrive, int unit_id,
+                                        long long row0, int group, int num_splits, int npieces, int lane) {
+  __threadfence();
+  __syncwarp();
+  int prev = 0;
+  if (lane == 0) prev = atomicAdd(arrive + unit_id, 1);
+  prev = __shfl_sync(FULL, prev, 0);
+  if (prev != npieces - 1) return;
+  __threadfence();
+  for (int hd = 0; hd < group; ++hd) {
+    const long long r = (row0 + hd) * num_splits;
+    float mx = NEG_INF;
+    for (int s = 0; s < npieces; ++s) mx = fmaxf(mx, __ldcg(lse + r + s));
+    float sum = 0.f, acc[D / 32];
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) acc[j] = 0.f;
+    for (int s = 0; s < npieces; ++s) {
+      const float w = ex2(__ldcg(lse + r + s) - mx);
+      sum += w;
+      const float2* src = reinterpret_cast<const float2*>(opart + (r + s) * D + lane * (D / 32));
+#pragma unroll
+      for (int j = 0; j < D / 64; ++j) {
+        const float2 v = __ldcg(src + j);
+        acc[2 * j] += w * v.x;
+        acc[2 * j + 1] += w * v.y;
+      }
+    }
+    u32* dst = reinterpret_cast<u32*>(out + (row0 + hd) * D + lane * (D / 32));  // acc / sum: zip_merge's bits
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j)
+      dst[j] = (u32)to_bf16(acc[2 * j] / sum) | ((u32)to_bf16(acc[2 * j + 1] / sum) << 16);
+  }
+  if (lane == 0) arrive[unit_id] = 0;
+}
+#endif
+
 __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart,
                                        float* __restrict__ lse, const int* __restrict__ indptr,
                                        const int* __restrict__ indices, const u8* __restrict__ pool,
                                        const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
                                        float scale_log2, int num_splits, int hkv, int group, int lane, int b, int h,
-                                       int split, int p0, int n, int kv_len) {
+                                       int split, int p0, int n, int kv_len, int* __restrict__ arrive, int npieces) {
 #if !CTA_MERGE
   if (n <= 0) return;  // a split past this sequence's end: the merge reads only splits that hold tokens
 #endif
@@ -540,6 +588,9 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
       if (hd0 < group) lse[r0] = m0 + __log2f(l0);
       if (hd1 < group) lse[r1] = m1 + __log2f(l1);
     }
+#if TAIL_MERGE
+    tail_merge(opart, lse, out, arrive, b * hkv + h, row0, group, num_splits, npieces, lane);
+#endif
   }
 }
 
@@ -547,7 +598,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
            const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
-           float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch) {
+           float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch,
+           int* __restrict__ arrive) {
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
 #if BALANCED
@@ -571,9 +623,11 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
     const int len = indptr[b + 1] - indptr[b];
     const int h = (int)((x - base) / len), p0 = (int)(x - base - (long long)h * len);
     const int n = (int)min((long long)(len - p0), xe - x);
-    const int piece = unit - (int)((base + (long long)h * len) / per_warp);
+    const long long first = base + (long long)h * len;  // the unit's first page in the laid-out lists
+    const int piece = unit - (int)(first / per_warp);
+    const int npieces = (int)((first + len - 1) / per_warp - first / per_warp) + 1;  // as zip_merge_balanced
     attend(q, out, opart, lse, indptr, indices, pool, gstart, gdesc, scale_log2, num_splits, hkv, group, lane, b, h,
-           piece, p0, n, kv_lens[b]);
+           piece, p0, n, kv_lens[b], arrive, npieces);
     x += n;
   }
 #else
@@ -586,8 +640,9 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
   // pages per split from device memory, not a launch argument: a captured CUDA graph stays valid as contexts grow
   const int pages_per_split = *split_pages;
   const int p0 = split * pages_per_split;
+  const int npieces = (kv_len + 16 * pages_per_split - 1) / (16 * pages_per_split);  // splits holding tokens
   attend(q, out, opart, lse, indptr, indices, pool, gstart, gdesc, scale_log2, num_splits, hkv, group, lane, b, h,
-         split, p0, min((kv_len + 15) / 16 - p0, pages_per_split), kv_len);
+         split, p0, min((kv_len + 15) / 16 - p0, pages_per_split), kv_len, arrive, npieces);
 #endif
 }
 
