@@ -152,7 +152,7 @@ def test_cuda_kernel_is_built_when_the_backend_is_made(monkeypatch):
         store = SimpleNamespace(geo=geo, device=torch.device(device), format_version=2)
         ZipFusedAttention(store, 32, 8, 128, fallback=None)
     stage = zc.default_stage(128)
-    assert sorted(built) == sorted((0, 128, 2, w, mb, 0, cm, stage, bal)
+    assert sorted(built) == sorted((0, 128, 2, w, mb, 0, cm, stage, bal, zc.AUTO_TAIL_MERGE and not cm)
                                    for w, mb, cm, bal in zc.default_launches(128))
 
 
