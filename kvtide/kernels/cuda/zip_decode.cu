@@ -274,15 +274,13 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
 #endif
 }
 
-// Pages [p0, p0 + n) of sequence b's page list for KV head h: partial output and log-sum-exp into slot `split`
-// (or, with num_splits 1 and not BALANCED, the output itself; with CTA_MERGE, merged over the CTA's warps).
 #if TAIL_MERGE
 // The warp that finishes unit ``unit_id``'s last piece merges all ``npieces`` of them (log-sum-exp, as zip_merge
 // does) into out, then re-arms the unit's counter for the next launch. Every warp fences its partials before it
 // counts itself in; the merging warp fences again and reads the partials through L2 (ld.global.cg), not the
 // read-only path: they were written in this launch.
 __device__ __forceinline__ void tail_merge(const float* opart, const float* lse, u16* out, int* arrive, int unit_id,
-                                        long long row0, int group, int num_splits, int npieces, int lane) {
+                                           long long row0, int group, int num_splits, int npieces, int lane) {
   __threadfence();
   __syncwarp();
   int prev = 0;
@@ -317,6 +315,8 @@ __device__ __forceinline__ void tail_merge(const float* opart, const float* lse,
 }
 #endif
 
+// Pages [p0, p0 + n) of sequence b's page list for KV head h: partial output and log-sum-exp into slot `split`
+// (or, with num_splits 1 and not BALANCED, the output itself; with CTA_MERGE, merged over the CTA's warps).
 __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart,
                                        float* __restrict__ lse, const int* __restrict__ indptr,
                                        const int* __restrict__ indices, const u8* __restrict__ pool,
