@@ -241,8 +241,11 @@ def build(device: torch.device | str | int, head_dim: int, version: int) -> None
     launches = default_launches(head_dim)
     with ThreadPoolExecutor(max_workers=min(8, len(launches))) as ex:
         stage = default_stage(head_dim)
-        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage, bal, AUTO_TAIL_MERGE and not cm)
-                  for w, mb, cm, bal in launches]:
+        # with the tail merge on, a launch shape runs tail-merged where it splits, as it is where it does not
+        forms = [(w, mb, cm, bal, tail) for w, mb, cm, bal in launches
+                 for tail in ((False, True) if AUTO_TAIL_MERGE and not cm else (False,))]
+        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage, bal, tail)
+                  for w, mb, cm, bal, tail in forms]:
             f.result()
 
 
@@ -338,8 +341,8 @@ def graph_key(p: CudaDecodePlan) -> tuple | None:
     if p.buffers is None:
         return None
     return (p.batch, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.version, p.num_splits, p.warps, p.min_blocks,
-            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, p.tail_merge, float(p.sm_scale), id(p.buffers),
-            p.buffers.generation)
+            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, p.tail_merge, float(p.sm_scale),
+            id(p.buffers), p.buffers.generation)
 
 
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,

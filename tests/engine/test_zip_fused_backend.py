@@ -152,8 +152,12 @@ def test_cuda_kernel_is_built_when_the_backend_is_made(monkeypatch):
         store = SimpleNamespace(geo=geo, device=torch.device(device), format_version=2)
         ZipFusedAttention(store, 32, 8, 128, fallback=None)
     stage = zc.default_stage(128)
-    assert sorted(built) == sorted((0, 128, 2, w, mb, 0, cm, stage, bal, zc.AUTO_TAIL_MERGE and not cm)
-                                   for w, mb, cm, bal in zc.default_launches(128))
+    want = [(0, 128, 2, w, mb, 0, cm, stage, bal, False) for w, mb, cm, bal in zc.default_launches(128)]
+    assert sorted(built) == sorted(want)
+    monkeypatch.setattr(zc, "AUTO_TAIL_MERGE", True)  # split launches then also in their tail-merged form
+    built.clear()
+    ZipFusedAttention(store, 32, 8, 128, fallback=None)
+    assert sorted(built) == sorted(want + [(*k[:9], True) for k in want if not k[6]])
 
 
 def test_whole_step_graph_defaults_and_the_cpu_fallback():
