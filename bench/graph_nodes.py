@@ -165,22 +165,47 @@ def model_name(layers: int) -> str:
     return f"random:llama3-8b-L{layers}"
 
 
+def make_llm(backend: str, a, full_cuda_graphs: bool | None, batches: int = 1) -> LLM:
+    """An engine of ``backend`` at the 8B shape with ``a.layers`` layers, CUDA graphs on (``full_cuda_graphs``: whole
+    steps, piecewise, None for the backend's default) and KV room for ``batches`` x ``a.batch`` sequences."""
+    budget_pages = batches * a.batch * (-(-(a.context + 16) // PAGE) + 2) + 64
+    return LLM(model_name(a.layers), progress=False, device="cuda", dtype="bfloat16", attention_backend=backend,
+               seed=0, cuda_graphs=True, full_cuda_graphs=full_cuda_graphs,
+               cache=CacheConfig(kv_cache_bytes=budget_pages * a.layers * 2 * PAGE * 8 * 128 * 2,
+                                 compress=backend == "zip"),
+               scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=16384,
+                                         max_model_len=a.context + 64))
+
+
+def generate(llm: LLM, a, max_tokens: int, salt: int = 0) -> None:
+    """``a.batch`` prompts of ``a.context`` tokens (``salt``: other prompts, no prefix-cache hits), then a sync."""
+    vocab = llm.engine.model.args.vocab_size
+    llm.generate([[(7 * i + 13 * j + 101 * salt) % vocab for j in range(a.context)] for i in range(a.batch)],
+                 SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    torch.cuda.synchronize()
+
+
+class ProbeLog:
+    """The probe chain's replay time (best of 3 medians) after each labelled action, as rows for the JSON."""
+
+    def __init__(self, a, width: int):
+        self.probe, self._keep = probe_chain()
+        self.iters, self.width = a.iters, width
+        self.rows: list[dict] = []
+
+    def __call__(self, label: str, error: str | None = None) -> None:
+        ms = [replay_ms(self.probe, self.iters) for _ in range(3)]
+        self.rows.append({"after": label, "probe_ms": ms, **({"error": error} if error else {})})
+        print(f"{label:<{self.width}} probe {min(ms):.4f} ms / 200 kernels{'  ERROR ' + error if error else ''}",
+              flush=True)
+
+
 def engine_graphs(backend: str, whole: bool, a):
     """An engine of ``backend`` after a short generate, and a function replaying its decode-step graph(s) of
     ``a.batch`` sequences back to back (piecewise: the segments without the attention between them, whose buffers
     keep their values). Returns (llm, replay function, graphs); (llm, None, error) when nothing was captured."""
-    budget_pages = a.batch * (-(-(a.context + 16) // PAGE) + 2) + 64
-    name = model_name(a.layers)
-    page_bytes = a.layers * 2 * PAGE * 8 * 128 * 2
-    llm = LLM(name, progress=False, device="cuda", dtype="bfloat16", attention_backend=backend, seed=0,
-              cuda_graphs=True, full_cuda_graphs=whole,
-              cache=CacheConfig(kv_cache_bytes=budget_pages * page_bytes, compress=backend == "zip"),
-              scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=16384,
-                                        max_model_len=a.context + 64))
-    vocab = llm.engine.model.args.vocab_size
-    prompts = [[(7 * i + 13 * j) % vocab for j in range(a.context)] for i in range(a.batch)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    torch.cuda.synchronize()
+    llm = make_llm(backend, a, whole)
+    generate(llm, a, 6)
     g = llm.engine.runner.graphs
     if whole:
         if not g.full:
@@ -270,14 +295,7 @@ def bisect(a) -> list[dict]:
     FlashInfer engine's construction or generate brings the chain back."""
     from kvtide.kernels import zip_attention_cuda as zc
 
-    rows: list[dict] = []
-    probe, _keep = probe_chain()
-
-    def measure(label: str) -> None:
-        ms = [replay_ms(probe, a.iters) for _ in range(3)]
-        rows.append({"after": label, "probe_ms": ms})
-        print(f"{label:<44} probe {min(ms):.4f} ms / 200 kernels", flush=True)
-
+    measure = ProbeLog(a, 44)
     measure("nothing")
     zc.build(torch.device("cuda"), 128, 2)
     measure("zip cubins built and loaded")
@@ -289,39 +307,23 @@ def bisect(a) -> list[dict]:
     measure("one zip_decode launch")
     keep = []
     for backend in ("zip", "flashinfer", "zip", "flashinfer"):
-        name = model_name(a.layers)
-        budget_pages = a.batch * (-(-(a.context + 16) // PAGE) + 2) + 64
-        llm = LLM(name, progress=False, device="cuda", dtype="bfloat16", attention_backend=backend, seed=0,
-                  cuda_graphs=True, full_cuda_graphs=False,
-                  cache=CacheConfig(kv_cache_bytes=budget_pages * a.layers * 2 * PAGE * 8 * 128 * 2,
-                                    compress=backend == "zip"),
-                  scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=16384,
-                                            max_model_len=a.context + 64))
+        llm = make_llm(backend, a, False)
         measure(f"{backend} engine built")
-        vocab = llm.engine.model.args.vocab_size
-        llm.generate([[(7 * i + 13 * j) % vocab for j in range(a.context)] for i in range(a.batch)],
-                     SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-        torch.cuda.synchronize()
+        generate(llm, a, 6)
         measure(f"{backend} engine generated")
         keep.append(llm)
-    return rows
+    return measure.rows
 
 
 def simple_ops(a) -> list[dict]:
     """Plain stream operations, each followed by the probe chain: whether one of them moves the process between the
     fast and the slow state (bench/graph_nodes.py bisect), first from the fast state, then after a zip engine's
     generate has slowed it, then after a FlashInfer engine's generate."""
-    rows: list[dict] = []
-    probe, _keep = probe_chain()
+    measure = ProbeLog(a, 48)
     dev = torch.device("cuda")
     x = torch.randn(1 << 20, device=dev)
     y = torch.empty_like(x)
     host = torch.empty(1 << 20, pin_memory=True)
-
-    def measure(label: str) -> None:
-        ms = [replay_ms(probe, a.iters) for _ in range(3)]
-        rows.append({"after": label, "probe_ms": ms})
-        print(f"{label:<48} probe {min(ms):.4f} ms / 200 kernels", flush=True)
 
     def d2h_event():
         host.copy_(x, non_blocking=True)
@@ -345,21 +347,12 @@ def simple_ops(a) -> list[dict]:
     all_ops("fresh")
     keep = []
     for backend in ("zip", "flashinfer"):
-        budget_pages = a.batch * (-(-(a.context + 16) // PAGE) + 2) + 64
-        llm = LLM(model_name(a.layers), progress=False, device="cuda", dtype="bfloat16",
-                  attention_backend=backend, seed=0, cuda_graphs=True, full_cuda_graphs=False,
-                  cache=CacheConfig(kv_cache_bytes=budget_pages * a.layers * 2 * PAGE * 8 * 128 * 2,
-                                    compress=backend == "zip"),
-                  scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=16384,
-                                            max_model_len=a.context + 64))
-        vocab = llm.engine.model.args.vocab_size
-        llm.generate([[(7 * i + 13 * j) % vocab for j in range(a.context)] for i in range(a.batch)],
-                     SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-        torch.cuda.synchronize()
+        llm = make_llm(backend, a, False)
+        generate(llm, a, 6)
         measure(f"{backend} engine generated")
         all_ops(f"after {backend}")
         keep.append(llm)
-    return rows
+    return measure.rows
 
 
 def zip_kernel_action(kind: str):
@@ -438,32 +431,16 @@ def sequence(a) -> list[dict]:
     prompts: N=1 is prefill and compression only), zip-merge / zip-cta / zip-balanced (one zip_decode launch in that
     form), fi-attn (one FlashInfer decode step, no engine), store-write / store-compress / store-read
     (:class:`StoreActions`, in that order: a store's pages are written once and compressed once)."""
-    rows: list[dict] = []
-    probe, _keep = probe_chain()
+    measure = ProbeLog(a, 24)
     engines: dict[str, LLM] = {}
     store: list[StoreActions] = []
     round_ = [0]
 
-    def measure(label: str, error: str | None = None) -> None:
-        ms = [replay_ms(probe, a.iters) for _ in range(3)]
-        rows.append({"after": label, "probe_ms": ms, **({"error": error} if error else {})})
-        print(f"{label:<24} probe {min(ms):.4f} ms / 200 kernels{'  ERROR ' + error if error else ''}", flush=True)
-
-    def generate(backend: str, n: int) -> None:
+    def run_engine(backend: str, n: int) -> None:
         if backend not in engines:
-            budget_pages = 2 * a.batch * (-(-(a.context + 16) // PAGE) + 2) + 64
-            engines[backend] = LLM(model_name(a.layers), progress=False, device="cuda", dtype="bfloat16",
-                                   attention_backend=backend, seed=0, cuda_graphs=True,
-                                   cache=CacheConfig(kv_cache_bytes=budget_pages * a.layers * 2 * PAGE * 8 * 128 * 2,
-                                                     compress=backend == "zip"),
-                                   scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=16384,
-                                                             max_model_len=a.context + 64))
-        llm = engines[backend]
-        vocab = llm.engine.model.args.vocab_size
+            engines[backend] = make_llm(backend, a, None, batches=2)
         round_[0] += 1
-        r = round_[0]
-        llm.generate([[(7 * i + 13 * j + 101 * r) % vocab for j in range(a.context)] for i in range(a.batch)],
-                     SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        generate(engines[backend], a, n, salt=round_[0])
 
     measure("nothing")
     for act in a.sequence.split(","):
@@ -471,7 +448,7 @@ def sequence(a) -> list[dict]:
         try:
             if act.startswith(("zip-gen-", "fi-gen-")):
                 backend, _, n = act.split("-")
-                generate({"zip": "zip", "fi": "flashinfer"}[backend], int(n))
+                run_engine({"zip": "zip", "fi": "flashinfer"}[backend], int(n))
             elif act in ("zip-merge", "zip-cta", "zip-balanced"):
                 zip_kernel_action(act.split("-")[1])()
             elif act == "fi-attn":
@@ -486,7 +463,7 @@ def sequence(a) -> list[dict]:
         except Exception as e:  # record and go on: the other actions still tell something
             err = f"{type(e).__name__}: {e}"[:300]
         measure(act, err)
-    return rows
+    return measure.rows
 
 
 def main() -> None:

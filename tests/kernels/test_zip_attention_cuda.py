@@ -353,6 +353,20 @@ def test_balanced_runs_emulated_on_cpu_match_float64(head_dim: int, group: int, 
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
 
 
+def _gpu_case(head_dim: int, group: int, version: int, hkv: int, gen: torch.Generator):
+    """The GPU tests' batch: sequences of 1, 15, 16, 17, 200 and 777 tokens over shuffled pages of a v1/v2 pool.
+    Returns (kv, pool, starts, desc, groups, page ids, indptr, last page lengths, q); page data on the GPU."""
+    lens = [1, 15, 16, 17, 200, 777]
+    npg = [(x + 15) // 16 for x in lens]
+    kv = _pages(sum(npg) + 5, hkv, head_dim, gen).cuda()
+    pool, starts, desc, groups = _mma_pool(kv, version)
+    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32).cuda()
+    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
+    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
+    return kv, pool, starts, desc, groups, perm, indptr, last, q
+
+
 needs_cuda = pytest.mark.skipif(zc.unsupported() is not None, reason=str(zc.unsupported()))
 
 
@@ -366,15 +380,9 @@ needs_cuda = pytest.mark.skipif(zc.unsupported() is not None, reason=str(zc.unsu
 def test_kernel_matches_float64_reference(head_dim: int, group: int, version: int, splits: int | None,
                                           cta_merge: bool, stage: int) -> None:
     gen = torch.Generator().manual_seed(head_dim + group + version)
-    hkv, lens = 2, [1, 15, 16, 17, 200, 777]
-    npg = [(x + 15) // 16 for x in lens]
-    kv = _pages(sum(npg) + 5, hkv, head_dim, gen).cuda()
-    pool, starts, desc, groups = _mma_pool(kv, version)
+    hkv = 2
+    kv, pool, starts, desc, groups, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
     assert (desc == zb.RAW).any() and (desc != zb.RAW).any()
-    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32).cuda()
-    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
-    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
-    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
     ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
     p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, num_splits=splits,
                 cta_merge=cta_merge, stage=stage, device="cuda")
@@ -400,14 +408,8 @@ def test_balanced_runs_match_float64_reference(head_dim: int, group: int, versio
     """Balanced runs (one warp for everything, runs spanning several units, runs cut inside units, more warps than
     pages) against the float64 reference, every output written."""
     gen = torch.Generator().manual_seed(head_dim + group + version + warps)
-    hkv, lens = 2, [1, 15, 16, 17, 200, 777]
-    npg = [(x + 15) // 16 for x in lens]
-    kv = _pages(sum(npg) + 5, hkv, head_dim, gen).cuda()
-    pool, starts, desc, _ = _mma_pool(kv, version)
-    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32).cuda()
-    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
-    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
-    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
+    hkv = 2
+    kv, pool, starts, desc, _, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
     ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
     p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, stage=stage, device="cuda",
                 balanced=True, balanced_warps=warps)
@@ -432,14 +434,8 @@ def test_tail_merge_gives_zip_merges_bits_and_rearms_its_counters(head_dim: int,
     writes, for even splits and balanced runs (one warp, runs across units, more warps than pages); every counter
     is back at zero after a launch, so a second launch (the next layer, a graph replay) gives the same bits."""
     gen = torch.Generator().manual_seed(head_dim + group + version + stage)
-    hkv, lens = 2, [1, 15, 16, 17, 200, 777]
-    npg = [(x + 15) // 16 for x in lens]
-    kv = _pages(sum(npg) + 5, hkv, head_dim, gen).cuda()
-    pool, starts, desc, _ = _mma_pool(kv, version)
-    perm = torch.randperm(kv.shape[0], generator=gen)[: sum(npg)].to(torch.int32).cuda()
-    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
-    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
-    q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
+    hkv = 2
+    kv, pool, starts, desc, _, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
     kw = (dict(num_splits=3, cta_merge=False) if form == "splits" else
           dict(balanced=True, balanced_warps=int(form.split("_")[1])))
     outs = {}
