@@ -469,7 +469,8 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             eng.runner.full_graphs = not eng.runner.full_graphs
             rows.append((key, runs[key]))
         for flag, rounds, names in (("AUTO_BALANCED", a.other_balanced, ("balanced", "even")),
-                                    ("AUTO_TAIL_MERGE", a.other_tail_merge, ("tail_merge", "merge_launch"))):
+                                    ("AUTO_TAIL_MERGE", a.other_tail_merge, ("tail_merge", "merge_launch")),
+                                    ("AUTO_PDL", a.other_pdl, ("pdl", "plain_launch"))):
             if not (rounds and compress and b == largest):
                 continue
             # rounds of a kernel rule the other way, then as given: same engine, same sequences, alternated
@@ -601,6 +602,11 @@ def main() -> None:
     ap.add_argument("--zip-tail-merge", choices=("on", "off"), default=None,
                     help="CUDA kernel: split partials merged by each unit's last warp instead of a merge launch "
                          "(AUTO_TAIL_MERGE; default: as shipped, off)")
+    ap.add_argument("--other-pdl", type=int, default=0,
+                    help="zip: after its largest batch, this many rounds of (programmatic dependent launches the "
+                         "other way, then as given), same engine; runs '<batch>_pdl_<i>' and '<batch>_plain_launch_<i>'")
+    ap.add_argument("--zip-pdl", choices=("on", "off"), default=None,
+                    help="CUDA kernel: programmatic dependent launches (AUTO_PDL; default: as shipped, off)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
@@ -629,13 +635,16 @@ def main() -> None:
     if a.zip_tail_merge is not None:
         zc.AUTO_TAIL_MERGE = a.zip_tail_merge == "on"
     a.zip_tail_merge = zc.AUTO_TAIL_MERGE
+    if a.zip_pdl is not None:
+        zc.AUTO_PDL = a.zip_pdl == "on"
+    a.zip_pdl = zc.AUTO_PDL
     zip_options = load_zip_options(a.zip_options, a.context)
     if zip_options:
         from kvtide.kernels import zip_attention as za
         za.set_defaults("zip", **zip_options)
     res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention",
                  "cuda_kernel_stage": _cuda_stage(args.head_dim), "cuda_kernel_balanced_rule": a.zip_balanced,
-                 "cuda_kernel_tail_merge": a.zip_tail_merge,
+                 "cuda_kernel_tail_merge": a.zip_tail_merge, "cuda_kernel_pdl": a.zip_pdl,
                  "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,
@@ -647,7 +656,7 @@ def main() -> None:
                            "other_mode": a.other_mode, "compress_spread_steps": a.compress_spread_steps,
                            "graphs": a.graphs if a.cuda_graphs else None,
                            "other_graph_mode": a.other_graph_mode, "other_balanced_rounds": a.other_balanced,
-                           "other_tail_merge_rounds": a.other_tail_merge,
+                           "other_tail_merge_rounds": a.other_tail_merge, "other_pdl_rounds": a.other_pdl,
                            "page_lookahead": a.page_lookahead,
                            "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
                                            "batch decodes and nothing else runs)"}}

@@ -87,6 +87,18 @@ def _nvrtc_check(lib: ctypes.CDLL, res: int, what: str) -> None:
         raise CudaJitError(f"NVRTC {what} failed: {lib.nvrtcGetErrorString(res).decode()}")
 
 
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_PDL_ATTR = _LaunchAttr(6, b"", (1).to_bytes(4, "little"))  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1
+
+
 @functools.cache
 def driver() -> ctypes.CDLL:
     try:
@@ -104,6 +116,8 @@ def driver() -> ctypes.CDLL:
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.c_void_p]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
 
@@ -147,9 +161,11 @@ class Kernel:
     _smem_allowed: int = field(default=0, repr=False)
 
     def launch(self, grid: tuple[int, int, int], block: int, args: list,
-               stream: torch.cuda.Stream | None = None, smem: int = 0) -> None:
+               stream: torch.cuda.Stream | None = None, smem: int = 0, pdl: bool = False) -> None:
         """``smem``: bytes of dynamic shared memory, allowed to the kernel once per larger size (the driver refuses
-        more than 48 KB of static plus dynamic shared memory without it)."""
+        more than 48 KB of static plus dynamic shared memory without it). ``pdl``: programmatic dependent launch
+        (sm_90+): the kernel may be scheduled while the previous one in the stream drains, so it must execute
+        ``griddepcontrol.wait`` before touching anything that kernel wrote."""
         _ensure_context(self.device)
         if smem > self._smem_allowed:
             _check(driver().cuFuncSetAttribute(self.func, 8, smem),  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -169,6 +185,12 @@ class Kernel:
                 raise TypeError(f"kernel {self.name}: unsupported argument type {type(a).__name__}")
         params = (ctypes.c_void_p * len(cargs))(*[ctypes.cast(ctypes.byref(c), ctypes.c_void_p) for c in cargs])
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        if pdl:
+            cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), smem,
+                                ctypes.c_void_p(s.cuda_stream), ctypes.pointer(_PDL_ATTR), 1)
+            _check(driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None),
+                   f"cuLaunchKernelEx({self.name}, programmatic dependent launch)")
+            return
         _check(driver().cuLaunchKernel(self.func, grid[0], grid[1], grid[2], block, 1, 1, smem,
                                        ctypes.c_void_p(s.cuda_stream), params, None), f"cuLaunchKernel({self.name})")
 

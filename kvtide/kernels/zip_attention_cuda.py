@@ -24,9 +24,10 @@ empty just past a wave boundary (67 x 8 KV heads on 132 SMs x 16 warps); ``plan(
 (``zip_merge_balanced`` merges the pieces): 1.9% faster at that shape, slower where even splits merge in a CTA, so
 :data:`AUTO_BALANCED` takes it only where even splits would not. Where partials still go through global memory,
 ``plan(tail_merge=True)`` has the last warp of each (sequence, KV head) merge them (a counter per unit) in place of
-the merge launch (:data:`AUTO_TAIL_MERGE`, off until measured on the GPU). Raw blocks (the page being written,
-blocks the format left raw) are read as they are, in the same order, so the same kernel over an all-raw pool is
-the format-free control.
+the merge launch (:data:`AUTO_TAIL_MERGE`: off, 0.4-1.3% slower on the H200). ``plan(pdl=True)`` launches the
+kernels as programmatic dependent launches (:data:`AUTO_PDL`: off, no faster in the engine). Raw blocks (the page
+being written, blocks the format left raw) are read as they are, in the same order, so the same kernel over an
+all-raw pool is the format-free control.
 
 Compiled by NVRTC (:mod:`kvtide.kernels.cuda_jit`) by :func:`build` (the engine's backend calls it when made), else
 at first use; plan once per batch, run per layer. Torch reference: :mod:`kvtide.kernels.zip_attention_ref` with
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,8 +79,20 @@ AUTO_BALANCED = True
 # Tail merge (zip_decode.cu TAIL_MERGE), plan(tail_merge=None) with AUTO_TAIL_MERGE: where partials go through global
 # memory (even splits a CTA cannot merge, balanced runs), the last warp to finish a (sequence, KV head) merges its
 # pieces, so no zip_merge launch follows (0.19 ms of a 21.3 ms step at 67 x 8K on the H200, profile of
-# bench/results/zip_engine_profile67_h200.json). Off until measured on the GPU.
+# bench/results/zip_engine_profile67_h200.json). Off: measured on the H200 (bench/zip_splits.py --balanced
+# --tail-merge, real KV, 8320 tokens, 3 interleaved rounds, bench/results/zip_splits_tail_merge_h200.json) the merge
+# launch is faster: even splits 431.4 vs 435.8 us at 67 sequences, balanced runs 422.0 vs 423.8; 0.4-1.3% at 53, 67
+# and 68, level at 66 (the counters' atomics and the last warp's serial merge cost more than the launch saves).
 AUTO_TAIL_MERGE = False
+# Programmatic dependent launch (cuda_jit.Kernel.launch(pdl=True)), plan(pdl=None) with AUTO_PDL: the kernels are
+# launched so that the GPU may schedule them while the kernel before them drains (each waits for its memory with
+# griddepcontrol.wait first). Why it was tried: zip's engine steps idle ~0.4 us before small kernels where
+# FlashInfer's piecewise steps idle ~0.1, and an eager launch with this attribute (FlashInfer's decode kernel, or a
+# trivial one) takes the process out of that slow state (bench/graph_nodes.py --sequence). Off: in the engine's
+# whole-step graph it changed nothing (67 sequences, alternated on one engine: 21.63 / 21.64 ms a step with it,
+# 21.63 / 21.65 without; bench/results/zip_engine_other_pdl_h200.json). KVTIDE_ZIP_PDL=1 turns it on (the GPU tests
+# pass that way: bench/results/gpu_tests_pdl_h200_log.txt).
+AUTO_PDL = os.environ.get("KVTIDE_ZIP_PDL", "0") == "1"
 BALANCED_MARGIN = 0.92
 BALANCED_MIN_PAGES = 64
 STAGES = {0: "K and V in registers", 1: "V staged in shared memory (cp.async)", 2: "K and V staged in shared memory"}
@@ -324,6 +338,7 @@ class CudaDecodePlan:
     balanced: bool = False
     grid_warps: int = 0
     tail_merge: bool = False  # the last warp of each unit merges its partials (TAIL_MERGE): no zip_merge launch
+    pdl: bool = False  # programmatic dependent launches (AUTO_PDL)
     arrive: torch.Tensor | None = field(default=None, repr=False)  # int32 [B * Hkv], the tail merge's counters
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
@@ -341,7 +356,7 @@ def graph_key(p: CudaDecodePlan) -> tuple | None:
     if p.buffers is None:
         return None
     return (p.batch, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.version, p.num_splits, p.warps, p.min_blocks,
-            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, p.tail_merge, float(p.sm_scale),
+            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, p.tail_merge, p.pdl, float(p.sm_scale),
             id(p.buffers), p.buffers.generation)
 
 
@@ -351,7 +366,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
          min_blocks: int | None = None, waves: float | None = None, load_hint: int = 0,
          cta_merge: bool = True, stage: int | None = None, device: torch.device | str | None = None,
          buffers: PlanBuffers | None = None, splits_hint: int | None = None, balanced: bool | None = None,
-         balanced_warps: int | None = None, tail_merge: bool | None = None) -> CudaDecodePlan:
+         balanced_warps: int | None = None, tail_merge: bool | None = None,
+         pdl: bool | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
     ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
@@ -370,7 +386,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     :data:`AUTO_BALANCED` when that is on (the default), else even splits; ``balanced_warps``: the grid's warps
     (default one wave of the launch shape). Pages per run are read from device memory, so a graph stays valid as
     contexts grow. ``tail_merge``: where partials go through global memory, the last warp of each (sequence, KV
-    head) merges them instead of a ``zip_merge`` launch (None: :data:`AUTO_TAIL_MERGE`, off)."""
+    head) merges them instead of a ``zip_merge`` launch (None: :data:`AUTO_TAIL_MERGE`, off). ``pdl``: launch the
+    kernels as programmatic dependent launches (None: :data:`AUTO_PDL`)."""
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
                          f"(need 1..{MAX_GROUP})")
@@ -467,7 +484,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, load_hint=load_hint, cta_merge=merge_in_cta,
-        stage=stage, buffers=buffers, balanced=bool(balanced), grid_warps=grid_warps if balanced else 0)
+        stage=stage, buffers=buffers, balanced=bool(balanced), grid_warps=grid_warps if balanced else 0,
+        pdl=AUTO_PDL if pdl is None else bool(pdl))
     if num_splits > 1 and not merge_in_cta:
         if buffers is not None:
             p.opart, p.lse = buffers.parts(num_qo_heads, num_splits, head_dim)
@@ -521,15 +539,16 @@ def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, po
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.split_pages, p.num_splits, p.num_kv_heads,
-        p.group, p.batch, p.arrive if p.tail_merge else p.kv_lens], smem=smem_bytes(p.head_dim, p.warps, p.stage))
+        p.group, p.batch, p.arrive if p.tail_merge else p.kv_lens], smem=smem_bytes(p.head_dim, p.warps, p.stage),
+        pdl=p.pdl)
     if p.tail_merge:  # merged by each unit's last warp
         return
     if p.balanced:
         k["zip_merge_balanced"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
-            p.opart, p.lse, out, p.indptr, p.split_pages, p.num_splits, p.num_qo_heads, p.group])
+            p.opart, p.lse, out, p.indptr, p.split_pages, p.num_splits, p.num_qo_heads, p.group], pdl=p.pdl)
     elif split:
         k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
-            p.opart, p.lse, out, p.kv_lens, p.split_pages, p.num_splits, p.num_qo_heads])
+            p.opart, p.lse, out, p.kv_lens, p.split_pages, p.num_splits, p.num_qo_heads], pdl=p.pdl)
 
 
 def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

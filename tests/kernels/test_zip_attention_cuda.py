@@ -453,6 +453,47 @@ def test_tail_merge_gives_zip_merges_bits_and_rearms_its_counters(head_dim: int,
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("form", ["one", "cta", "splits", "balanced", "tail"])
+def test_programmatic_dependent_launch_gives_the_same_bits_eager_and_in_a_graph(head_dim: int, version: int,
+                                                                                 form: str) -> None:
+    """``plan(pdl=True)`` (kernels scheduled while the previous kernel drains, each waiting for its memory first):
+    the same bits as plain launches, eagerly and in a CUDA graph whose previous kernel writes q just before (a
+    missing wait would read the old q)."""
+    gen = torch.Generator().manual_seed(head_dim + version)
+    hkv, group = 2, 4
+    kv, pool, starts, desc, _, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
+    kw = {"one": dict(num_splits=1), "cta": dict(num_splits=3, cta_merge=True),
+          "splits": dict(num_splits=3, cta_merge=False), "balanced": dict(balanced=True, balanced_warps=7),
+          "tail": dict(num_splits=3, cta_merge=False, tail_merge=True)}[form]
+    plans = {pdl: zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, device="cuda", pdl=pdl,
+                          **kw) for pdl in (False, True)}
+    assert plans[True].pdl and not plans[False].pdl
+    qs = [q, torch.randn(q.shape, generator=gen).bfloat16().cuda(), -q]
+    want = [zc.run(plans[False], x, pool, starts, desc) for x in qs]
+    assert torch.equal(zc.run(plans[True], q, pool, starts, desc), want[0])
+    src, qbuf, out = q.clone(), torch.empty_like(q), torch.full_like(q, float("nan"))
+    zc.run(plans[True], qbuf.copy_(src), pool, starts, desc, out=out)  # warm-up (kernel loads) outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        qbuf.copy_(src)  # the kernel before: zip_decode must wait for it
+        zc.run(plans[True], qbuf, pool, starts, desc, out=out)
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    for x, w in zip(qs, want):
+        src.copy_(x)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("load_hint", sorted(set(zc.LOAD_HINTS) - {0}))
 def test_load_hints_change_no_output_bit(load_hint: int) -> None:
     """Cache hints on the KV loads are a launch option (bench/zip_attention.py --load-hints): same bits out."""
@@ -539,6 +580,33 @@ def test_plan_takes_the_tail_merge_only_where_partials_go_through_global_memory(
     with pytest.raises(ValueError, match="CTA merge"):
         zc.defines(128, 2, 3, 4, cta_merge=True, tail_merge=True)
     assert zc.defines(128, 2, 4, 4, tail_merge=True)["TAIL_MERGE"] == 1
+
+
+def test_programmatic_dependent_launch_is_a_plan_option_with_a_graph_key_of_its_own() -> None:
+    """``pdl``: off by default (AUTO_PDL, until the engine measures it), a plan field, part of the graph key (a
+    graph captured with plain launches does not replay a PDL plan)."""
+    indptr = torch.tensor([0, 40, 80, 120], dtype=torch.int32)
+    t = (indptr, torch.arange(120, dtype=torch.int32), torch.full((3,), 16, dtype=torch.int32), 32, 8, 128)
+    assert not zc.AUTO_PDL and not zc.plan(*t, device="cpu").pdl
+    bufs = zc.PlanBuffers(3, "cpu")
+    on, off = (zc.plan(*t, device="cpu", buffers=bufs, pdl=x) for x in (True, False))
+    assert on.pdl and not off.pdl and zc.graph_key(on) != zc.graph_key(off)
+    assert "griddepcontrol.wait" in zc.SOURCE.read_text()
+
+
+def test_launch_config_structs_match_the_driver_abi() -> None:
+    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute by layout (cuda.h, 64-bit): field offsets and
+    sizes as the driver expects, and the PDL attribute as id 6 with value 1."""
+    import ctypes
+
+    from kvtide.kernels import cuda_jit as cj
+
+    cfg, attr = cj._LaunchConfig, cj._LaunchAttr
+    assert [getattr(cfg, f).offset for f in ("grid", "block", "smem", "stream", "attrs", "num_attrs")] == \
+        [0, 12, 24, 32, 40, 48] and ctypes.sizeof(cfg) == 56
+    assert (attr.id.offset, attr.value.offset, ctypes.sizeof(attr)) == (0, 8, 72)
+    raw = bytes(cj._PDL_ATTR)
+    assert int.from_bytes(raw[:4], "little") == 6 and int.from_bytes(raw[8:12], "little") == 1
 
 
 def test_plan_into_fixed_buffers_matches_a_fresh_plan_and_keeps_its_graph_key() -> None:

@@ -594,12 +594,22 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
   }
 }
 
+// Programmatic dependent launch (plan pdl=True): a kernel may be scheduled while the one before it in the stream
+// drains, so each kernel here waits for that one's memory before its first read. Returns at once when launched
+// without the attribute, or before sm_90.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
            const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
            float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch,
            int* __restrict__ arrive) {
+  wait_for_previous_kernel();
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
 #if BALANCED
@@ -667,6 +677,7 @@ extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, c
                                               u16* __restrict__ out, const int* __restrict__ indptr,
                                               const int* __restrict__ split_pages, int num_splits, int hq_total,
                                               int group) {
+  wait_for_previous_kernel();
   const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
   const long long per_warp = *split_pages, hkv = hq_total / group, len = indptr[b + 1] - indptr[b];
   const long long first = hkv * indptr[b] + (hq / group) * len;
@@ -678,6 +689,7 @@ extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, c
 extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
                                      u16* __restrict__ out, const int* __restrict__ kv_lens,
                                      const int* __restrict__ split_pages, int num_splits, int hq_total) {
+  wait_for_previous_kernel();
   const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
   const int split_tokens = 16 * *split_pages;
   const int n = (kv_lens[b] + split_tokens - 1) / split_tokens;
