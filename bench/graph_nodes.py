@@ -165,12 +165,13 @@ def model_name(layers: int) -> str:
     return f"random:llama3-8b-L{layers}"
 
 
-def make_llm(backend: str, a, full_cuda_graphs: bool | None, batches: int = 1) -> LLM:
+def make_llm(backend: str, a, full_cuda_graphs: bool | None, batches: int = 1, cuda_graphs: bool = True) -> LLM:
     """An engine of ``backend`` at the 8B shape with ``a.layers`` layers, CUDA graphs on (``full_cuda_graphs``: whole
-    steps, piecewise, None for the backend's default) and KV room for ``batches`` x ``a.batch`` sequences."""
+    steps, piecewise, None for the backend's default; ``cuda_graphs=False``: none) and KV room for ``batches`` x
+    ``a.batch`` sequences."""
     budget_pages = batches * a.batch * (-(-(a.context + 16) // PAGE) + 2) + 64
     return LLM(model_name(a.layers), progress=False, device="cuda", dtype="bfloat16", attention_backend=backend,
-               seed=0, cuda_graphs=True, full_cuda_graphs=full_cuda_graphs,
+               seed=0, cuda_graphs=cuda_graphs, full_cuda_graphs=full_cuda_graphs if cuda_graphs else None,
                cache=CacheConfig(kv_cache_bytes=budget_pages * a.layers * 2 * PAGE * 8 * 128 * 2,
                                  compress=backend == "zip"),
                scheduler=SchedulerConfig(max_num_seqs=4096, max_num_batched_tokens=16384,
@@ -185,19 +186,53 @@ def generate(llm: LLM, a, max_tokens: int, salt: int = 0) -> None:
     torch.cuda.synchronize()
 
 
+class Nvml:
+    """SM clock (MHz), power (W) and the clock event reasons (NVML bit mask: 0x4 SW power cap, 0x8 HW slowdown,
+    0x20 SW thermal, ...) through libnvidia-ml, for telling a clock state from a launch-path state; empty
+    readings where the library is missing."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.ct, self.lib, self.h = ctypes, None, ctypes.c_void_p()
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() == 0 and lib.nvmlDeviceGetHandleByIndex_v2(torch.cuda.current_device(),
+                                                                              ctypes.byref(self.h)) == 0:
+                self.lib = lib
+        except OSError:
+            pass
+
+    def read(self) -> dict:
+        if self.lib is None:
+            return {}
+        ct = self.ct
+        clk, mw, reasons = ct.c_uint(), ct.c_uint(), ct.c_ulonglong()
+        self.lib.nvmlDeviceGetClockInfo(self.h, 1, ct.byref(clk))  # NVML_CLOCK_SM
+        self.lib.nvmlDeviceGetPowerUsage(self.h, ct.byref(mw))
+        self.lib.nvmlDeviceGetCurrentClocksThrottleReasons(self.h, ct.byref(reasons))
+        return {"sm_mhz": clk.value, "power_w": mw.value / 1e3, "reasons": hex(reasons.value)}
+
+
 class ProbeLog:
-    """The probe chain's replay time (best of 3 medians) after each labelled action, as rows for the JSON."""
+    """The probe chain's replay time (best of 3 medians) after each labelled action, as rows for the JSON, with the
+    SM clock read right after the action and after the probe."""
 
     def __init__(self, a, width: int):
         self.probe, self._keep = probe_chain()
         self.iters, self.width = a.iters, width
         self.rows: list[dict] = []
+        self.nvml = Nvml()
 
     def __call__(self, label: str, error: str | None = None) -> None:
+        before = self.nvml.read()
         ms = [replay_ms(self.probe, self.iters) for _ in range(3)]
-        self.rows.append({"after": label, "probe_ms": ms, **({"error": error} if error else {})})
-        print(f"{label:<{self.width}} probe {min(ms):.4f} ms / 200 kernels{'  ERROR ' + error if error else ''}",
-              flush=True)
+        after = self.nvml.read()
+        self.rows.append({"after": label, "probe_ms": ms, "nvml_before": before, "nvml_after": after,
+                          **({"error": error} if error else {})})
+        clocks = f"  SM {before.get('sm_mhz')}/{after.get('sm_mhz')} MHz {before.get('reasons')}" if before else ""
+        print(f"{label:<{self.width}} probe {min(ms):.4f} ms / 200 kernels{clocks}"
+              f"{'  ERROR ' + error if error else ''}", flush=True)
 
 
 def engine_graphs(backend: str, whole: bool, a):
@@ -355,7 +390,7 @@ def simple_ops(a) -> list[dict]:
     return measure.rows
 
 
-def zip_kernel_action(kind: str):
+def zip_kernel_action(kind: str, stage: int | None = None):
     """One launch of the CUDA zip kernel over 8 sequences of 64 pages (synthetic v2 pool), in the launch form
     ``kind`` names: 'merge' (4 even splits, global zip_merge), 'cta' (4 splits merged in the CTA), 'balanced'
     (balanced runs, zip_merge_balanced)."""
@@ -371,31 +406,135 @@ def zip_kernel_action(kind: str):
           "cta": dict(num_splits=4, cta_merge=True, balanced=False),
           "balanced": dict(balanced=True, cta_merge=False)}[kind]
     p = zc.plan(indptr, (torch.arange(b * 64, dtype=torch.int32) % 64).to(dev), torch.full((b,), PS, dtype=torch.int32),
-                HQ, HKV, D, PS, version=2, device=dev, **kw)
+                HQ, HKV, D, PS, version=2, device=dev, stage=stage, **kw)
     q = torch.randn(b, HQ, D, device=dev).bfloat16()
     out = torch.empty_like(q)
     return lambda: zc.run(p, q, pool, gstart, gdesc, out=out)
 
 
-def flashinfer_action():
-    """One decode step of the FlashInfer backend alone (plan, the Triton paged write, FlashInfer's decode kernel):
-    67 sequences of 64 pages in a small cache of its own."""
-    from kvtide.engine.attention import BatchLayout
-    from kvtide.engine.flashinfer_backend import FlashInferAttention
+def zip_graph_action(kind: str, stage: int | None = None):
+    """:func:`zip_kernel_action`'s launch captured in a CUDA graph (built and captured now), replayed by the
+    returned function: whether the slow state needs the zip kernel inside a graph. The function keeps the launch's
+    tensors alive (the first H200 run returned only ``g.replay``: the plan's buffers went back to the allocator, a
+    later engine took them, and a replay after it hit an illegal memory access)."""
+    launch = zip_kernel_action(kind, stage)
+    launch()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        launch()
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
 
-    dev = torch.device("cuda")
-    b, pages = 67, 64
-    cache = [torch.randn(b * pages, 2, PAGE, 8, 128, device=dev).bfloat16()]
-    fi = FlashInferAttention(cache, 32, 8, 128, PAGE)
-    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]
-    slots = torch.tensor([t[-1] * PAGE + PAGE - 1 for t in tables], dtype=torch.long, device=dev)
-    layout = BatchLayout([1] * b, [pages * PAGE] * b, tables, slots, PAGE)
-    q, k, v = (torch.randn(b, h, 128, device=dev).bfloat16() for h in (32, 8, 8))
+    def replay() -> None:  # holds ``launch``: its closure owns the tensors the graph reads and writes
+        g.replay()
+    replay.keep = launch
+    return replay
 
-    def run():
-        fi.plan(layout)
-        fi(0, q, k, v)
-    return run
+
+SYN_SOURCE = r"""
+extern "C" __global__ void syn(float* x, int n) {
+    extern __shared__ float s[];
+    if (n > 0) { s[threadIdx.x] = x[threadIdx.x]; __syncthreads(); x[blockIdx.x] += s[(threadIdx.x + 1) % blockDim.x]; }
+    else if (threadIdx.x == 0) { x[blockIdx.x] += 1.0f; }
+}
+"""
+
+
+class SynKernel:
+    """A trivial kernel launched through the driver API with chosen dynamic shared memory, grid, carveout
+    preference and programmatic-dependent-launch attribute: which launch property sets or clears the slow state.
+    Action ``syn-<KB>-<grid>[-c<carveout %>][-pdl|-pdl0][-cl1]`` (pdl0: the attribute set to 0; cl1: a 1-CTA
+    cluster attribute; either goes through cuLaunchKernelEx)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        from kvtide.kernels import cuda_jit
+
+        self.ct, self.jit = ctypes, cuda_jit
+        dev = torch.cuda.current_device()
+        cc = torch.cuda.get_device_capability()
+        cubin, _ = cuda_jit.compile_cubin(SYN_SOURCE, "syn", cc[0] * 10 + cc[1])
+        self.k = cuda_jit.load(cubin, ["syn"], dev)["syn"]
+        self.x = torch.zeros(1 << 16, device="cuda")
+
+    def __call__(self, parts: list[str]) -> None:
+        ct, drv = self.ct, self.jit.driver()
+        kb, grid = int(parts[1]), int(parts[2])
+        carve = next((int(p[1:]) for p in parts[3:] if p.startswith("c")), None)
+        pdl = 1 if "pdl" in parts[3:] else 0 if "pdl0" in parts[3:] else None
+        cluster = "cl1" in parts[3:]
+        smem = kb * 1024
+        self.jit._check(drv.cuFuncSetAttribute(self.k.func, 8, max(smem, 0)), "max dynamic smem")
+        self.jit._check(drv.cuFuncSetAttribute(self.k.func, 9, -1 if carve is None else carve), "carveout")
+        args = [ct.c_void_p(self.x.data_ptr()), ct.c_int(1 if smem else 0)]
+        params = (ct.c_void_p * 2)(*[ct.cast(ct.byref(c), ct.c_void_p) for c in args])
+        stream = ct.c_void_p(torch.cuda.current_stream().cuda_stream)
+        if pdl is None and not cluster:
+            self.jit._check(drv.cuLaunchKernel(self.k.func, grid, 1, 1, 128, 1, 1, smem, stream, params, None),
+                            "cuLaunchKernel(syn)")
+            return
+
+        class Attr(ct.Structure):
+            _fields_ = [("id", ct.c_int), ("pad", ct.c_char * 4), ("value", ct.c_char * 64)]
+
+        class Config(ct.Structure):
+            _fields_ = [("gx", ct.c_uint), ("gy", ct.c_uint), ("gz", ct.c_uint), ("bx", ct.c_uint), ("by", ct.c_uint),
+                        ("bz", ct.c_uint), ("smem", ct.c_uint), ("stream", ct.c_void_p),
+                        ("attrs", ct.POINTER(Attr)), ("n", ct.c_uint)]
+
+        attrs = (Attr * 2)()
+        n = 0
+        if pdl is not None:
+            attrs[n].id = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[n].value = pdl.to_bytes(4, "little") + bytes(60)
+            n += 1
+        if cluster:
+            attrs[n].id = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 1 x 1 x 1
+            attrs[n].value = b"".join((1).to_bytes(4, "little") for _ in range(3)) + bytes(52)
+            n += 1
+        cfg = Config(grid, 1, 1, 128, 1, 1, smem, stream, attrs, n)
+        self.jit._check(drv.cuLaunchKernelEx(ct.byref(cfg), self.k.func, params, None), "cuLaunchKernelEx(syn)")
+
+
+class FlashInferActions:
+    """One decode step of the FlashInfer backend alone, 67 sequences of 64 pages in a small cache of its own, built
+    (and planned once) up front, then in parts: 'attn' (plan, the Triton paged write, FlashInfer's decode kernel),
+    'plan', 'write' (the Triton paged write alone), 'kernel' (FlashInfer's decode kernel alone, on the last plan)."""
+
+    def __init__(self) -> None:
+        from kvtide.engine.attention import BatchLayout
+        from kvtide.engine.flashinfer_backend import FlashInferAttention
+        from kvtide.kernels.kv_write import write_paged
+
+        dev = torch.device("cuda")
+        b, pages = 67, 64
+        self.cache = torch.randn(b * pages, 2, PAGE, 8, 128, device=dev).bfloat16()
+        self.fi = FlashInferAttention([self.cache], 32, 8, 128, PAGE)
+        tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]
+        self.slots = torch.tensor([t[-1] * PAGE + PAGE - 1 for t in tables], dtype=torch.long, device=dev)
+        self.layout = BatchLayout([1] * b, [pages * PAGE] * b, tables, self.slots, PAGE)
+        self.q, self.k, self.v = (torch.randn(b, h, 128, device=dev).bfloat16() for h in (32, 8, 8))
+        self.fi.plan(self.layout)
+        self._write = write_paged
+        torch.cuda.synchronize()
+
+    def attn(self) -> None:
+        self.fi.plan(self.layout)
+        self.fi(0, self.q, self.k, self.v)
+
+    def plan(self) -> None:
+        self.fi.plan(self.layout)
+
+    def write(self) -> None:
+        self._write(self.cache, self.k, self.v, self.slots)
+
+    def kernel(self) -> None:
+        self.fi.wrapper.run(self.q, self.cache)
 
 
 class StoreActions:
@@ -427,38 +566,90 @@ class StoreActions:
 
 def sequence(a) -> list[dict]:
     """Actions in the given order, each followed by the probe chain: which one sets the slow state, which clears it.
-    Actions: zip-gen-N / fi-gen-N (that backend's 8B-shaped engine, built once, generates N tokens for fresh
-    prompts: N=1 is prefill and compression only), zip-merge / zip-cta / zip-balanced (one zip_decode launch in that
-    form), fi-attn (one FlashInfer decode step, no engine), store-write / store-compress / store-read
-    (:class:`StoreActions`, in that order: a store's pages are written once and compressed once)."""
+    Actions: zip-gen-N / fi-gen-N (that backend's 8B-shaped engine with its default CUDA graphs, built once,
+    generates N tokens for fresh prompts: N=1 is prefill and compression only), zip-piece-gen-N / fi-whole-gen-N /
+    zip-eager-gen-N (that engine with piecewise graphs / whole-step graphs / none), zip-merge / zip-cta / zip-balanced (one zip_decode launch in that
+    form; -s0 at the end: stage 0, no shared-memory staging), zip-graph-merge / -cta / -balanced (that launch
+    captured in a CUDA graph, replayed 3 times), fi-attn / fi-plan / fi-write / fi-kernel (:class:`FlashInferActions`),
+    store-write / store-compress / store-read (:class:`StoreActions`, in that order: a store's pages are written once
+    and compressed once), syn-KB-GRID[-cPCT][-pdl] (:class:`SynKernel`), mm (a cuBLAS GEMM of the 8B's shape),
+    sleep-S (S seconds idle), g:A+B+... (those actions captured in one CUDA graph, replayed 3 times; the probe also
+    runs right after the capture, whose eager warm-up runs the actions once)."""
+    import time
+
     measure = ProbeLog(a, 24)
     engines: dict[str, LLM] = {}
     store: list[StoreActions] = []
+    acts = a.sequence.split(",")
+    fi = FlashInferActions() if any("fi-" in x and "-gen-" not in x for x in acts) else None
+    graphs: dict[str, object] = {}
+    syn: list[SynKernel] = []
     round_ = [0]
 
-    def run_engine(backend: str, n: int) -> None:
-        if backend not in engines:
-            engines[backend] = make_llm(backend, a, None, batches=2)
+    def run_engine(backend: str, mode: str, n: int) -> None:
+        key = f"{backend}:{mode}"
+        if key not in engines:
+            engines[key] = make_llm(backend, a, {"default": None, "piece": False, "whole": True, "eager": None}[mode], batches=2,
+                                    cuda_graphs=mode != "eager")
         round_[0] += 1
-        generate(engines[backend], a, n, salt=round_[0])
+        generate(engines[key], a, n, salt=round_[0])
+
+    def do(act: str) -> None:
+        parts = act.split("-")
+        if act.startswith("g:"):  # these actions ('+'-separated) captured in one CUDA graph, replayed 3 times
+            if act not in graphs:
+                subs = act[2:].split("+")
+                for sub in subs:
+                    do(sub)
+                torch.cuda.synchronize()
+                st = torch.cuda.Stream()
+                st.wait_stream(torch.cuda.current_stream())
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(st):
+                    g.capture_begin()
+                    for sub in subs:
+                        do(sub)
+                    g.capture_end()
+                torch.cuda.current_stream().wait_stream(st)
+                torch.cuda.synchronize()
+                graphs[act] = g.replay
+                measure(f"({act}: captured)")
+            for _ in range(3):
+                graphs[act]()
+        elif "gen" in parts:
+            backend = {"zip": "zip", "fi": "flashinfer"}[parts[0]]
+            mode = parts[1] if len(parts) == 4 else "default"
+            run_engine(backend, mode, int(parts[-1]))
+        elif act.startswith("zip-graph-"):
+            if act not in graphs:
+                graphs[act] = zip_graph_action(parts[2], 0 if parts[-1] == "s0" else None)
+            for _ in range(3):
+                graphs[act]()
+        elif act.startswith("zip-"):
+            zip_kernel_action(parts[1], 0 if parts[-1] == "s0" else None)()
+        elif act.startswith("fi-"):
+            getattr(fi, parts[1])()
+        elif act in ("store-write", "store-compress", "store-read"):
+            if not store:
+                store.append(StoreActions())
+            getattr(store[0], parts[1])()
+        elif act.startswith("syn-"):
+            if not syn:
+                syn.append(SynKernel())
+            syn[0](parts)
+        elif act == "mm":
+            w = torch.randn(4096, 4096, device="cuda").bfloat16()
+            torch.randn(67, 4096, device="cuda").bfloat16() @ w
+        elif act.startswith("sleep-"):
+            time.sleep(float(parts[1]))
+        else:
+            raise ValueError(f"unknown action {act}")
 
     measure("nothing")
-    for act in a.sequence.split(","):
+    for act in acts:
         err = None
         try:
-            if act.startswith(("zip-gen-", "fi-gen-")):
-                backend, _, n = act.split("-")
-                run_engine({"zip": "zip", "fi": "flashinfer"}[backend], int(n))
-            elif act in ("zip-merge", "zip-cta", "zip-balanced"):
-                zip_kernel_action(act.split("-")[1])()
-            elif act == "fi-attn":
-                flashinfer_action()()
-            elif act in ("store-write", "store-compress", "store-read"):
-                if not store:
-                    store.append(StoreActions())
-                getattr(store[0], act.split("-")[1])()
-            else:
-                raise ValueError(f"unknown action {act}")
+            do(act)
             torch.cuda.synchronize()
         except Exception as e:  # record and go on: the other actions still tell something
             err = f"{type(e).__name__}: {e}"[:300]
