@@ -465,7 +465,7 @@ class SynKernel:
     def __call__(self, parts: list[str]) -> None:
         ct, drv = self.ct, self.jit.driver()
         kb, grid = int(parts[1]), int(parts[2])
-        carve = next((int(p[1:]) for p in parts[3:] if p.startswith("c")), None)
+        carve = next((int(p[1:]) for p in parts[3:] if p[:1] == "c" and p[1:].isdigit()), None)
         pdl = 1 if "pdl" in parts[3:] else 0 if "pdl0" in parts[3:] else None
         cluster = "cl1" in parts[3:]
         smem = kb * 1024
@@ -479,25 +479,17 @@ class SynKernel:
                             "cuLaunchKernel(syn)")
             return
 
-        class Attr(ct.Structure):
-            _fields_ = [("id", ct.c_int), ("pad", ct.c_char * 4), ("value", ct.c_char * 64)]
-
-        class Config(ct.Structure):
-            _fields_ = [("gx", ct.c_uint), ("gy", ct.c_uint), ("gz", ct.c_uint), ("bx", ct.c_uint), ("by", ct.c_uint),
-                        ("bz", ct.c_uint), ("smem", ct.c_uint), ("stream", ct.c_void_p),
-                        ("attrs", ct.POINTER(Attr)), ("n", ct.c_uint)]
-
-        attrs = (Attr * 2)()
+        attrs = (self.jit._LaunchAttr * 2)()
         n = 0
         if pdl is not None:
             attrs[n].id = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attrs[n].value = pdl.to_bytes(4, "little") + bytes(60)
+            attrs[n].value = pdl.to_bytes(4, "little")
             n += 1
         if cluster:
             attrs[n].id = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 1 x 1 x 1
-            attrs[n].value = b"".join((1).to_bytes(4, "little") for _ in range(3)) + bytes(52)
+            attrs[n].value = b"".join((1).to_bytes(4, "little") for _ in range(3))
             n += 1
-        cfg = Config(grid, 1, 1, 128, 1, 1, smem, stream, attrs, n)
+        cfg = self.jit._LaunchConfig((ct.c_uint * 3)(grid, 1, 1), (ct.c_uint * 3)(128, 1, 1), smem, stream, attrs, n)
         self.jit._check(drv.cuLaunchKernelEx(ct.byref(cfg), self.k.func, params, None), "cuLaunchKernelEx(syn)")
 
 
@@ -566,15 +558,16 @@ class StoreActions:
 
 def sequence(a) -> list[dict]:
     """Actions in the given order, each followed by the probe chain: which one sets the slow state, which clears it.
-    Actions: zip-gen-N / fi-gen-N (that backend's 8B-shaped engine with its default CUDA graphs, built once,
-    generates N tokens for fresh prompts: N=1 is prefill and compression only), zip-piece-gen-N / fi-whole-gen-N /
-    zip-eager-gen-N (that engine with piecewise graphs / whole-step graphs / none), zip-merge / zip-cta / zip-balanced (one zip_decode launch in that
-    form; -s0 at the end: stage 0, no shared-memory staging), zip-graph-merge / -cta / -balanced (that launch
-    captured in a CUDA graph, replayed 3 times), fi-attn / fi-plan / fi-write / fi-kernel (:class:`FlashInferActions`),
-    store-write / store-compress / store-read (:class:`StoreActions`, in that order: a store's pages are written once
-    and compressed once), syn-KB-GRID[-cPCT][-pdl] (:class:`SynKernel`), mm (a cuBLAS GEMM of the 8B's shape),
-    sleep-S (S seconds idle), g:A+B+... (those actions captured in one CUDA graph, replayed 3 times; the probe also
-    runs right after the capture, whose eager warm-up runs the actions once)."""
+    Engines (8B-shaped, built once per kind, each generate on fresh prompts): zip-gen-N / fi-gen-N (that backend's
+    default CUDA graphs; N=1 is prefill and compression only), zip-piece-gen-N / fi-whole-gen-N / zip-eager-gen-N
+    (piecewise graphs / whole-step graphs / none). Single launches: zip-merge / zip-cta / zip-balanced (one
+    zip_decode launch in that form; -s0 at the end: stage 0, no shared-memory staging), zip-graph-merge / -cta /
+    -balanced (that launch captured in a CUDA graph, replayed 3 times), fi-attn / fi-plan / fi-write / fi-kernel
+    (:class:`FlashInferActions`), syn-KB-GRID[-cPCT][-pdl|-pdl0][-cl1] (:class:`SynKernel`), mm (a cuBLAS GEMM of
+    the 8B's shape). Store: store-write / store-compress / store-read (:class:`StoreActions`, in that order: a store's
+    pages are written once and compressed once). Others: sleep-S (S seconds idle), g:A+B+... (those actions captured
+    in one CUDA graph, replayed 3 times; the probe also runs right after the capture, whose eager warm-up runs the
+    actions once)."""
     import time
 
     measure = ProbeLog(a, 24)
@@ -589,8 +582,8 @@ def sequence(a) -> list[dict]:
     def run_engine(backend: str, mode: str, n: int) -> None:
         key = f"{backend}:{mode}"
         if key not in engines:
-            engines[key] = make_llm(backend, a, {"default": None, "piece": False, "whole": True, "eager": None}[mode], batches=2,
-                                    cuda_graphs=mode != "eager")
+            whole = {"default": None, "piece": False, "whole": True, "eager": None}[mode]
+            engines[key] = make_llm(backend, a, whole, batches=2, cuda_graphs=mode != "eager")
         round_[0] += 1
         generate(engines[key], a, n, salt=round_[0])
 
