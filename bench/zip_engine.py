@@ -46,6 +46,15 @@ from kvtide.engine.llm_engine import LLMEngine  # noqa: E402
 from kvtide.models.loader import RANDOM_PRESETS  # noqa: E402
 
 PAGE = 16
+# CUDA kernel rules a run can set (--zip-NAME on|off) and time the other way on the largest zip batch's engine
+# (--other-NAME ROUNDS): (NAME, zip_attention_cuda flag, run-name suffixes with it on / off, what it does, JSON key).
+KERNEL_RULES = (
+    ("balanced", "AUTO_BALANCED", ("balanced", "even"),
+     "balanced runs where zip_attention_cuda's rule takes them (off: never)", "cuda_kernel_balanced_rule"),
+    ("tail-merge", "AUTO_TAIL_MERGE", ("tail_merge", "merge_launch"),
+     "split partials merged by each unit's last warp instead of a merge launch", "cuda_kernel_tail_merge"),
+    ("pdl", "AUTO_PDL", ("pdl", "plain_launch"), "programmatic dependent launches", "cuda_kernel_pdl"),
+)
 
 
 # ---- real-model KV for the random model's prefixes -------------------------------------------------------
@@ -468,9 +477,8 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             runs[key]["full_cuda_graphs"] = eng.runner.full_graphs
             eng.runner.full_graphs = not eng.runner.full_graphs
             rows.append((key, runs[key]))
-        for flag, rounds, names in (("AUTO_BALANCED", a.other_balanced, ("balanced", "even")),
-                                    ("AUTO_TAIL_MERGE", a.other_tail_merge, ("tail_merge", "merge_launch")),
-                                    ("AUTO_PDL", a.other_pdl, ("pdl", "plain_launch"))):
+        for name, flag, names, _, _ in KERNEL_RULES:
+            rounds = getattr(a, "other_" + name.replace("-", "_"))
             if not (rounds and compress and b == largest):
                 continue
             # rounds of a kernel rule the other way, then as given: same engine, same sequences, alternated
@@ -590,23 +598,12 @@ def main() -> None:
     ap.add_argument("--zip-options", default=None,
                     help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
                          "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
-    ap.add_argument("--zip-balanced", choices=("on", "off"), default=None,
-                    help="CUDA kernel: balanced runs where zip_attention_cuda's rule takes them (AUTO_BALANCED; "
-                         "default: as shipped, on) or never")
-    ap.add_argument("--other-balanced", type=int, default=0,
-                    help="zip: after its largest batch, this many rounds of (balanced-runs rule the other way, then as "
-                         "given), same engine; runs '<batch>_balanced_<i>' and '<batch>_even_<i>'")
-    ap.add_argument("--other-tail-merge", type=int, default=0,
-                    help="zip: after its largest batch, this many rounds of (tail-merge rule the other way, then as "
-                         "given), same engine; runs '<batch>_tail_merge_<i>' and '<batch>_merge_launch_<i>'")
-    ap.add_argument("--zip-tail-merge", choices=("on", "off"), default=None,
-                    help="CUDA kernel: split partials merged by each unit's last warp instead of a merge launch "
-                         "(AUTO_TAIL_MERGE; default: as shipped, off)")
-    ap.add_argument("--other-pdl", type=int, default=0,
-                    help="zip: after its largest batch, this many rounds of (programmatic dependent launches the "
-                         "other way, then as given), same engine; runs '<batch>_pdl_<i>' and '<batch>_plain_launch_<i>'")
-    ap.add_argument("--zip-pdl", choices=("on", "off"), default=None,
-                    help="CUDA kernel: programmatic dependent launches (AUTO_PDL; default: as shipped, off)")
+    for name, flag, (on, off), what, _ in KERNEL_RULES:
+        ap.add_argument(f"--zip-{name}", choices=("on", "off"), default=None,
+                        help=f"CUDA kernel: {what} ({flag}; default: as shipped)")
+        ap.add_argument(f"--other-{name}", type=int, default=0,
+                        help=f"zip: after its largest batch, this many rounds of ({name} the other way, then as "
+                             f"given), same engine; runs '<batch>_{on}_<i>' and '<batch>_{off}_<i>'")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
@@ -629,22 +626,16 @@ def main() -> None:
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
     from kvtide.kernels import zip_attention_cuda as zc
-    if a.zip_balanced is not None:
-        zc.AUTO_BALANCED = a.zip_balanced == "on"
-    a.zip_balanced = zc.AUTO_BALANCED
-    if a.zip_tail_merge is not None:
-        zc.AUTO_TAIL_MERGE = a.zip_tail_merge == "on"
-    a.zip_tail_merge = zc.AUTO_TAIL_MERGE
-    if a.zip_pdl is not None:
-        zc.AUTO_PDL = a.zip_pdl == "on"
-    a.zip_pdl = zc.AUTO_PDL
+    for name, flag, _, _, _ in KERNEL_RULES:
+        if getattr(a, "zip_" + name.replace("-", "_")) is not None:
+            setattr(zc, flag, getattr(a, "zip_" + name.replace("-", "_")) == "on")
     zip_options = load_zip_options(a.zip_options, a.context)
     if zip_options:
         from kvtide.kernels import zip_attention as za
         za.set_defaults("zip", **zip_options)
     res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention",
-                 "cuda_kernel_stage": _cuda_stage(args.head_dim), "cuda_kernel_balanced_rule": a.zip_balanced,
-                 "cuda_kernel_tail_merge": a.zip_tail_merge, "cuda_kernel_pdl": a.zip_pdl,
+                 "cuda_kernel_stage": _cuda_stage(args.head_dim),
+                 **{key: getattr(zc, flag) for _, flag, _, _, key in KERNEL_RULES},
                  "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,
@@ -655,8 +646,9 @@ def main() -> None:
                            "format_version": a.format_version, "async_scheduling": a.async_scheduling,
                            "other_mode": a.other_mode, "compress_spread_steps": a.compress_spread_steps,
                            "graphs": a.graphs if a.cuda_graphs else None,
-                           "other_graph_mode": a.other_graph_mode, "other_balanced_rounds": a.other_balanced,
-                           "other_tail_merge_rounds": a.other_tail_merge, "other_pdl_rounds": a.other_pdl,
+                           "other_graph_mode": a.other_graph_mode,
+                           **{f"other_{n}_rounds": getattr(a, f"other_{n}")
+                              for n in (name.replace("-", "_") for name, *_ in KERNEL_RULES)},
                            "page_lookahead": a.page_lookahead,
                            "tokens_per_s": "batch * timed steps / sum of timed step seconds (steps where the whole "
                                            "batch decodes and nothing else runs)"}}
