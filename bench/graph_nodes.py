@@ -279,19 +279,29 @@ def one(backend: str, whole: bool, a) -> dict:
     return out
 
 
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """``fn``'s launches captured in a CUDA graph on a side stream (warm-up is the caller's), then a sync."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        fn()
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g
+
+
 def probe_chain(n: int = 200):
     """A captured chain of ``n`` tiny dependent kernels, owned by no engine: the state of the process, not of a graph."""
     x = torch.zeros(67, 4096, dtype=torch.bfloat16, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        x.add_(1.0)
-        g = torch.cuda.CUDAGraph()
-        g.capture_begin()
+    x.add_(1.0)
+
+    def chain() -> None:
         for _ in range(n):
             x.add_(1.0)
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(s)
+    g = capture(chain)
     return g.replay, (g, x)
 
 
@@ -419,15 +429,7 @@ def zip_graph_action(kind: str, stage: int | None = None):
     later engine took them, and a replay after it hit an illegal memory access)."""
     launch = zip_kernel_action(kind, stage)
     launch()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        g.capture_begin()
-        launch()
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    g = capture(launch)
 
     def replay() -> None:  # holds ``launch``: its closure owns the tensors the graph reads and writes
         g.replay()
@@ -595,17 +597,7 @@ def sequence(a) -> list[dict]:
                 for sub in subs:
                     do(sub)
                 torch.cuda.synchronize()
-                st = torch.cuda.Stream()
-                st.wait_stream(torch.cuda.current_stream())
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.stream(st):
-                    g.capture_begin()
-                    for sub in subs:
-                        do(sub)
-                    g.capture_end()
-                torch.cuda.current_stream().wait_stream(st)
-                torch.cuda.synchronize()
-                graphs[act] = g.replay
+                graphs[act] = capture(lambda: [do(sub) for sub in subs]).replay
                 measure(f"({act}: captured)")
             for _ in range(3):
                 graphs[act]()

@@ -127,6 +127,22 @@ def real_kv(path: str, pages: int, gen: torch.Generator) -> tuple[torch.Tensor, 
     return kv, info
 
 
+def equal_batch(perm: torch.Tensor, batch: int, npg: int, last_len: int, dev, gen: torch.Generator):
+    """(page ids, indptr, last page lengths, q) of ``batch`` sequences of ``npg`` pages each, taken in order from
+    ``perm`` (page ids stay on its device, the other tables on the host as the plans take them), q drawn from ``gen``."""
+    indices = perm[: batch * npg].contiguous()
+    indptr = torch.arange(0, batch + 1, dtype=torch.int32) * npg
+    last = torch.full((batch,), last_len, dtype=torch.int32)
+    q = torch.randn(batch, HQ, D, device=dev, generator=gen).bfloat16()
+    return indices, indptr, last, q
+
+
+def plan_flashinfer(fi, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, dev) -> None:
+    """FlashInfer's decode wrapper planned over these tables at the bench's shape (bf16, no RoPE)."""
+    fi.plan(indptr.to(dev), indices, last.to(dev), HQ, HKV, D, PS, pos_encoding_mode="NONE",
+            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+
 def encode_nhd(kv: torch.Tensor, version: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPU page compression (Triton encoder) into the storage contract's pool / group_start / group_desc."""
     p = kv.shape[0]
@@ -329,18 +345,14 @@ def main() -> None:
         perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
         sizes = zb.block_sizes(gdesc.view(pages, -1), BLOCK).sum(1)  # stored bytes per page
         for b in sorted(args.batches):
-            indices = perm[: b * npg].contiguous()
-            indptr = torch.arange(0, b + 1, dtype=torch.int32) * npg
-            last = torch.full((b,), PS, dtype=torch.int32)
-            q = torch.randn(b, HQ, D, device=dev, generator=gen).bfloat16()
+            indices, indptr, last, q = equal_batch(perm, b, npg, PS, dev, gen)
             used = indices.long()
             dsc = gdesc[used]
             k_frac = float((dsc[:, :, 0] != zb.RAW).float().mean())
             v_frac = float((dsc[:, :, 1] != zb.RAW).float().mean())
             raw_bytes = b * ctx * HKV * D * 2 * 2
             zip_bytes = int(sizes[used].sum()) + used.numel() * HKV * 2 * (8 + dsc.shape[-1])
-            fi.plan(indptr.to(dev), indices, last.to(dev), HQ, HKV, D, PS, pos_encoding_mode="NONE",
-                    q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            plan_flashinfer(fi, indptr, indices, last, dev)
             o_fi = fi.run(q, kv)
             # correctness on the full shape: f64 reference on a few sequences, all outputs written
             nref = 3

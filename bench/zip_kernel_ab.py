@@ -127,12 +127,8 @@ def main() -> None:
         pools = {ver: zab.cuda_inputs(kv, ver)["cuda_zip"] for ver in versions}
         perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
         for b in sorted(args.batches):
-            indices = perm[: b * npg].contiguous()
-            indptr = torch.arange(0, b + 1, dtype=torch.int32) * npg
-            last = torch.full((b,), PS, dtype=torch.int32)
-            q = torch.randn(b, HQ, D, device=dev, generator=gen).bfloat16()
-            fi.plan(indptr.to(dev), indices, last.to(dev), HQ, HKV, D, PS, pos_encoding_mode="NONE",
-                    q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            indices, indptr, last, q = zab.equal_batch(perm, b, npg, PS, dev, gen)
+            zab.plan_flashinfer(fi, indptr, indices, last, dev)
             nref = 3
             ref = zr.decode_attention_f64(q[:nref], kv, indptr[: nref + 1], indices[: nref * npg], last[:nref])
             raw_bytes = b * ctx * HKV * D * 2 * 2

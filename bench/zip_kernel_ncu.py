@@ -43,14 +43,11 @@ def main() -> None:
     npg = args.context // PS
     pages = args.batch * npg
     kv = zab.real_kv(args.real_kv, pages, gen)[0] if args.real_kv else zab.synth_kv(pages, 0.16, 0.03, gen)
-    indices = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
-    indptr = torch.arange(0, args.batch + 1, dtype=torch.int32) * npg
-    last = torch.full((args.batch,), PS, dtype=torch.int32)
-    q = torch.randn(args.batch, HQ, D, device=dev, generator=gen).bfloat16()
+    perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
+    indices, indptr, last, q = zab.equal_batch(perm, args.batch, npg, PS, dev, gen)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-    fi.plan(indptr.to(dev), indices, last.to(dev), HQ, HKV, D, PS, pos_encoding_mode="NONE",
-            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    zab.plan_flashinfer(fi, indptr, indices, last, dev)
     calls = {"flashinfer": lambda: fi.run(q, kv)}
     for ver in args.versions:
         inputs = zab.cuda_inputs(kv, ver)

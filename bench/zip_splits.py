@@ -24,7 +24,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.zip_attention import BLOCK, D, HKV, HQ, PS, bench, cuda_inputs, real_kv, synth_kv  # noqa: E402
+from bench.zip_attention import (BLOCK, D, HKV, HQ, PS, bench, cuda_inputs, equal_batch,  # noqa: E402
+                                plan_flashinfer, real_kv, synth_kv)
 from kvtide.cache import zipblocks as zb  # noqa: E402
 from kvtide.kernels import zip_attention_cuda as zc  # noqa: E402
 from kvtide.kernels import zip_attention_ref as zr  # noqa: E402
@@ -67,12 +68,8 @@ def main() -> None:
         pool, gstart, gdesc = cuda_inputs(kv, args.version)["cuda_zip"]
         perm = torch.randperm(pages, device=dev, generator=gen).to(torch.int32)
         for b in args.batches:
-            indices = perm[: b * npg].contiguous()
-            indptr = torch.arange(0, b + 1, dtype=torch.int32) * npg
-            last = torch.full((b,), last_len, dtype=torch.int32)
-            q = torch.randn(b, HQ, D, device=dev, generator=gen).bfloat16()
-            fi.plan(indptr.to(dev), indices, last.to(dev), HQ, HKV, D, PS, pos_encoding_mode="NONE",
-                    q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            indices, indptr, last, q = equal_batch(perm, b, npg, last_len, dev, gen)
+            plan_flashinfer(fi, indptr, indices, last, dev)
             fi_us = bench(lambda: fi.run(q, kv), args.rep)
             ref = zr.decode_attention_f64(q[:2], kv, indptr[:3], indices[: 2 * npg], last[:2])
 
