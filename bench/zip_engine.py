@@ -46,15 +46,25 @@ from kvtide.engine.llm_engine import LLMEngine  # noqa: E402
 from kvtide.models.loader import RANDOM_PRESETS  # noqa: E402
 
 PAGE = 16
-# CUDA kernel rules a run can set (--zip-NAME on|off) and time the other way on the largest zip batch's engine
-# (--other-NAME ROUNDS): (NAME, zip_attention_cuda flag, run-name suffixes with it on / off, what it does, JSON key).
+# Kernel and graph rules a run can set (--zip-NAME on|off) and time the other way on the largest zip batch's engine
+# (--other-NAME ROUNDS): (NAME, module, flag, run-name suffixes with it on / off, what it does, JSON key).
+_ZC, _GRAPHS = "kvtide.kernels.zip_attention_cuda", "kvtide.engine.cuda_graphs"
 KERNEL_RULES = (
-    ("balanced", "AUTO_BALANCED", ("balanced", "even"),
-     "balanced runs where zip_attention_cuda's rule takes them (off: never)", "cuda_kernel_balanced_rule"),
-    ("tail-merge", "AUTO_TAIL_MERGE", ("tail_merge", "merge_launch"),
-     "split partials merged by each unit's last warp instead of a merge launch", "cuda_kernel_tail_merge"),
-    ("pdl", "AUTO_PDL", ("pdl", "plain_launch"), "programmatic dependent launches", "cuda_kernel_pdl"),
+    ("balanced", _ZC, "AUTO_BALANCED", ("balanced", "even"),
+     "CUDA kernel: balanced runs where zip_attention_cuda's rule takes them (off: never)", "cuda_kernel_balanced_rule"),
+    ("tail-merge", _ZC, "AUTO_TAIL_MERGE", ("tail_merge", "merge_launch"),
+     "CUDA kernel: split partials merged by each unit's last warp instead of a merge launch", "cuda_kernel_tail_merge"),
+    ("pdl", _ZC, "AUTO_PDL", ("pdl", "plain_launch"), "CUDA kernel: programmatic dependent launches",
+     "cuda_kernel_pdl"),
+    ("pdl-nudge", _GRAPHS, "PDL_NUDGE", ("nudge", "no_nudge"),
+     "whole-step graphs (any backend): a trivial eager PDL launch before each replay", "pdl_nudge"),
 )
+
+
+def rule_module(path: str):
+    import importlib
+
+    return importlib.import_module(path)
 
 
 # ---- real-model KV for the random model's prefixes -------------------------------------------------------
@@ -477,13 +487,12 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             runs[key]["full_cuda_graphs"] = eng.runner.full_graphs
             eng.runner.full_graphs = not eng.runner.full_graphs
             rows.append((key, runs[key]))
-        for name, flag, names, _, _ in KERNEL_RULES:
+        for name, mod, flag, names, _, _ in KERNEL_RULES:
             rounds = getattr(a, "other_" + name.replace("-", "_"))
             if not (rounds and compress and b == largest):
                 continue
-            # rounds of a kernel rule the other way, then as given: same engine, same sequences, alternated
-            from kvtide.kernels import zip_attention_cuda as zc
-
+            # rounds of a rule the other way, then as given: same engine, same sequences, alternated
+            zc = rule_module(mod)
             given = getattr(zc, flag)
             for rnd in range(1, rounds + 1):
                 for toggle in (True, False):
@@ -598,9 +607,9 @@ def main() -> None:
     ap.add_argument("--zip-options", default=None,
                     help="JSON launch options for the zip kernel (e.g. the best of bench/zip_attention.py), or a "
                          "zip_attention result JSON: its best options at the --context x 64 row (else the last row)")
-    for name, flag, (on, off), what, _ in KERNEL_RULES:
+    for name, _, flag, (on, off), what, _ in KERNEL_RULES:
         ap.add_argument(f"--zip-{name}", choices=("on", "off"), default=None,
-                        help=f"CUDA kernel: {what} ({flag}; default: as shipped)")
+                        help=f"{what} ({flag}; default: as shipped)")
         ap.add_argument(f"--other-{name}", type=int, default=0,
                         help=f"zip: after its largest batch, this many rounds of ({name} the other way, then as "
                              f"given), same engine; runs '<batch>_{on}_<i>' and '<batch>_{off}_<i>'")
@@ -625,17 +634,16 @@ def main() -> None:
     batches = sorted({int(b) for b in a.batches.split(",")})
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
-    from kvtide.kernels import zip_attention_cuda as zc
-    for name, flag, _, _, _ in KERNEL_RULES:
+    for name, mod, flag, _, _, _ in KERNEL_RULES:
         if getattr(a, "zip_" + name.replace("-", "_")) is not None:
-            setattr(zc, flag, getattr(a, "zip_" + name.replace("-", "_")) == "on")
+            setattr(rule_module(mod), flag, getattr(a, "zip_" + name.replace("-", "_")) == "on")
     zip_options = load_zip_options(a.zip_options, a.context)
     if zip_options:
         from kvtide.kernels import zip_attention as za
         za.set_defaults("zip", **zip_options)
     res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention",
                  "cuda_kernel_stage": _cuda_stage(args.head_dim),
-                 **{key: getattr(zc, flag) for _, flag, _, _, key in KERNEL_RULES},
+                 **{key: getattr(rule_module(mod), flag) for _, mod, flag, _, _, key in KERNEL_RULES},
                  "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,

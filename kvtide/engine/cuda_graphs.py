@@ -24,10 +24,20 @@ one batch size share one memory pool and replay in capture order, as torch requi
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
+
+# Before each whole-step replay, launch one trivial kernel eagerly as a programmatic dependent launch
+# (cuda_jit.pdl_nudge; sm_90 and newer, where that attribute exists). Why: on the H200 the zip engine's whole-step
+# graphs idled ~0.4 us before each small kernel where FlashInfer's piecewise steps (an eager PDL decode launch every
+# layer) idle ~0.1, and such a launch clears that state for the graphs replayed after it (bench/graph_nodes.py
+# --sequence). Measured in the engine (8B shape, 67 sequences of 8K, zip, alternated on one engine, two rounds,
+# bench/results/zip_engine_other_nudge_h200.json): 20.73 / 20.73 ms a step with it, 21.20 / 21.19 without.
+# KVTIDE_PDL_NUDGE=0 turns it off.
+PDL_NUDGE = os.environ.get("KVTIDE_PDL_NUDGE", "1") == "1"
 
 
 class _ZeroAttention:
@@ -124,6 +134,25 @@ class DecodeGraph(_StepInputs):
         return self.logits
 
 
+def _nudge_device(device: torch.device) -> int | None:
+    """The device index to nudge before replays (PDL_NUDGE), its kernel built now if the nudge is on (NVRTC, not
+    inside a timed step); None below sm_90 or where the nudge cannot be built (replays then run without it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return None
+    if PDL_NUDGE:
+        from ..kernels.cuda_jit import CudaJitError, pdl_nudge
+
+        try:
+            pdl_nudge(index)
+        except CudaJitError as e:
+            import warnings
+
+            warnings.warn(f"whole-step CUDA graphs run without the PDL nudge: {e}", RuntimeWarning, stacklevel=3)
+            return None
+    return index
+
+
 class FullDecodeGraph(_StepInputs):
     """One decode step captured whole, the attention backend's kernels included, for one batch size and the plan
     key it was captured with. Captured during a real step: the backend has planned that step into its fixed
@@ -133,6 +162,7 @@ class FullDecodeGraph(_StepInputs):
     def __init__(self, model: torch.nn.Module, batch: int, device: torch.device, attention, ids: torch.Tensor,
                  positions: torch.Tensor, warmup: int = 2):
         super().__init__(batch, device, ids, positions)
+        self._nudge_device = _nudge_device(device)
         with self._capturing(model, device, warmup):
             model(self.ids, self.positions, attention, logit_rows=self.rows)
             self.graph = torch.cuda.CUDAGraph()
@@ -145,6 +175,10 @@ class FullDecodeGraph(_StepInputs):
     def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [batch, vocab] of one decode step planned with this graph's key; valid until the next run."""
         self._load(ids, positions)
+        if PDL_NUDGE and self._nudge_device is not None:
+            from ..kernels.cuda_jit import pdl_nudge
+
+            pdl_nudge(self._nudge_device)
         self.graph.replay()
         return self.logits
 

@@ -209,3 +209,24 @@ def load(cubin: bytes, names: list[str], device: int) -> dict[str, Kernel]:
         driver().cuFuncGetAttribute(ctypes.byref(local), 3, f)  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
         out[name] = Kernel(name, device, f, regs.value, local.value, mod)
     return out
+
+
+_NUDGE_SOURCE = r"""
+extern "C" __global__ void kvtide_pdl_nudge(int* x) { if (threadIdx.x == 0) x[blockIdx.x] += 1; }
+"""
+
+
+@functools.cache
+def _nudge(device: int) -> tuple[Kernel, torch.Tensor]:
+    major, minor = torch.cuda.get_device_capability(device)
+    cubin, _ = compile_cubin(_NUDGE_SOURCE, "kvtide_pdl_nudge", major * 10 + minor)
+    return load(cubin, ["kvtide_pdl_nudge"], device)["kvtide_pdl_nudge"], torch.zeros(1, dtype=torch.int32,
+                                                                                       device=f"cuda:{device}")
+
+
+def pdl_nudge(device: int) -> None:
+    """Launch a one-thread kernel as a programmatic dependent launch on the current stream. Why: on the H200 an eager
+    launch with that attribute takes the process out of a state in which graph-replayed kernels idle ~0.4 us apart
+    instead of ~0.1 (bench/graph_nodes.py --sequence); see ``kvtide.engine.cuda_graphs.PDL_NUDGE``."""
+    k, x = _nudge(device)
+    k.launch((1, 1, 1), 32, [x], pdl=True)

@@ -66,6 +66,25 @@ def test_whole_step_graphs_with_flashinfer_give_the_piecewise_tokens() -> None:
     assert out[True] == out[False]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_nudge_before_whole_step_replays_changes_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda_graphs.PDL_NUDGE (a trivial eager programmatic-dependent launch before each whole-step replay): it runs
+    (its counter moves once per replay) and the zip engine's tokens stay the eager ones."""
+    from kvtide.engine import cuda_graphs
+    from kvtide.kernels import cuda_jit
+
+    eager, _ = _zip_decode(20, graphs=False)
+    monkeypatch.setattr(cuda_graphs, "PDL_NUDGE", True)
+    dev = torch.cuda.current_device()
+    before = int(cuda_jit._nudge(dev)[1].item())
+    tokens, llm = _zip_decode(20, graphs=True)
+    torch.cuda.synchronize()
+    assert llm.engine.runner.graphs.full_captures >= 1
+    assert int(cuda_jit._nudge(dev)[1].item()) - before >= 10, "one nudge per whole-step replay"
+    assert tokens == eager
+
+
 def _zip_decode(max_tokens: int, graphs: bool) -> tuple[list[list[int]], LLM]:
     """Greedy tokens of four prompts of different lengths over compressed pages (random tiny model, float32, the
     CUDA zip kernel's shape), eager or with CUDA graphs (whole steps, zip's default), and the engine."""
