@@ -211,8 +211,17 @@ class ZipPagedKV:
     def _alloc_pages(self, pids: list[int]) -> None:
         g = self.geo
         n = len(pids) * g.groups_per_page
-        taken = [self.alloc.alloc(layer, 0, n) for layer in range(g.num_layers)]
-        if any(len(offs) < n for offs in taken):
+        if self.alloc.geo.num_owners == 1:
+            # one slab owner (shared slabs): one pass over its open chunks for all layers, which hands out the slots
+            # one call per layer would, in the same order; each call sorts every open raw chunk, and with thousands
+            # of them (raw slots freed by compression all over the pool) 32 calls took 4-14 ms of a page step's
+            # host time at 16-32 sequences on the H200 host (bench/results/zip_engine_small_nudge_h200.json)
+            flat = self.alloc.alloc(0, 0, n * g.num_layers)
+            taken = [flat[i * n:(i + 1) * n] for i in range(g.num_layers)] if len(flat) == n * g.num_layers \
+                else [flat]
+        else:
+            taken = [self.alloc.alloc(layer, 0, n) for layer in range(g.num_layers)]
+        if len(taken) < g.num_layers or any(len(offs) < n for offs in taken):
             self.alloc.free(np.concatenate(taken))
             raise MemoryError("KV pool ran out while allocating pages (capacity check skipped?)")
         self._starts_host[:, pids] = np.stack(taken).reshape(g.num_layers, len(pids), g.num_kv_heads, 2)

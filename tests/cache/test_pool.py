@@ -316,3 +316,78 @@ def test_shared_slabs_let_every_layer_use_free_raw_slots() -> None:
         pool.free(first[0])
         assert len(pool.alloc(1, 0, 2)) == (2 if shared else 0)
     assert out == {False: 2, True: 3}
+
+
+class PerLayerAllocStore(ZipPagedKV):
+    """alloc_pages as it was: one ChunkPool.alloc call per layer, also where all layers share one slab owner."""
+
+    def _alloc_pages(self, pids: list[int]) -> None:
+        g = self.geo
+        n = len(pids) * g.groups_per_page
+        taken = [self.alloc.alloc(layer, 0, n) for layer in range(g.num_layers)]
+        assert all(len(offs) == n for offs in taken)
+        self._starts_host[:, pids] = np.stack(taken).reshape(g.num_layers, len(pids), g.num_kv_heads, 2)
+        idx = self._to_device(np.asarray(pids, dtype=np.int64))
+        starts = self._to_device(self._starts_host[:, pids])
+        self.group_start_all[:, idx] = starts
+        self.group_desc_all.index_fill_(1, idx, -1 & 0xFF)
+        self._raw_groups(starts, zero=True)
+        self.state[pids] = 0
+        self._generation[pids] += 1
+        self.counters["pages_allocated"] += len(pids)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_shared_slab_page_allocation_in_one_call_equals_one_call_per_layer(seed: int) -> None:
+    """With shared slabs, alloc_pages takes all layers' raw slots in one ChunkPool.alloc call (one sort of the open
+    chunks instead of one per layer): the same offsets per layer, pool state and tables as per-layer calls, step by
+    step, through allocation, compression (raw slots freed all over the pool) and release."""
+    from kvtide.cache import zipblocks as zb
+    from kvtide.cache.zip_pages import ABSENT, RAW
+
+    assert (zb.RAW, RAW) == (0xFF, 0) and ABSENT == -1  # what PerLayerAllocStore writes literally
+    geo = ZipGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, block_size=256)
+    chunk = geo.raw_group_bytes * 4
+    kw = dict(budget_bytes=geo.num_layers * chunk * 6 + 9 * chunk, chunk_bytes=chunk, private_chunks=2,
+              shared_slabs=True)
+    new, old = ZipPagedKV(geo, **kw), PerLayerAllocStore(geo, **kw)
+    assert new.alloc.geo.num_owners == 1
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    held: list[int] = []
+    allocated = 0
+    for _ in range(40):
+        for st in (new, old):
+            st.compress_finish()
+        room = new.free_pages(reserve=False)
+        assert room == old.free_pages(reserve=False)
+        fresh = [p for p in range(new.num_page_ids) if new.state[p] == ABSENT][: int(rng.integers(0, min(room, 6) + 1))]
+        slots = torch.tensor([p * geo.page_size + o for p in fresh for o in range(geo.page_size)], dtype=torch.long)
+        kv = [(spiky_kv(geo, len(slots), gen, 0.3), spiky_kv(geo, len(slots), gen, 0.1)) for _ in range(4)]
+        for st in (new, old):
+            st.alloc_pages(fresh)
+            for layer, (k, v) in enumerate(kv):
+                st.write(layer, k, v, slots)
+            st.compress_begin(fresh)
+        allocated += len(fresh)
+        held += fresh
+        if held and rng.random() < 0.5:
+            gone = [held.pop(int(i)) for i in sorted(rng.choice(len(held), rng.integers(1, len(held) + 1),
+                                                                replace=False), reverse=True)]
+            for st in (new, old):
+                st.release_pages(gone)
+        assert_same_store(new, old)
+        assert_same_state(new.alloc, old.alloc)
+    assert allocated > 20 and new.alloc.chunks_returned > 0
+
+
+def test_shared_slab_page_allocation_that_runs_dry_frees_what_it_took() -> None:
+    """One call for all layers that gets fewer slots than all layers need: nothing stays taken, MemoryError."""
+    geo = ZipGeometry(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, block_size=256)
+    chunk = geo.raw_group_bytes * 4
+    st = ZipPagedKV(geo, budget_bytes=5 * chunk, chunk_bytes=chunk, private_chunks=1, shared_slabs=True)
+    before = st.alloc.raw_free_slots.copy(), st.alloc.used.copy()
+    with pytest.raises(MemoryError, match="ran out"):
+        st.alloc_pages(list(range(4)))
+    assert np.array_equal(st.alloc.raw_free_slots, before[0]) and np.array_equal(st.alloc.used, before[1])
+    assert (st.state == -1).all()
