@@ -30,12 +30,14 @@ from contextlib import contextmanager
 
 import torch
 
+from ..kernels.cuda_jit import CudaJitError, pdl_nudge
+
 # Before each whole-step replay, launch one trivial kernel eagerly as a programmatic dependent launch
 # (cuda_jit.pdl_nudge; sm_90 and newer, where that attribute exists). Why: on the H200 the zip engine's whole-step
 # graphs idled ~0.4 us before each small kernel where FlashInfer's piecewise steps (an eager PDL decode launch every
 # layer) idle ~0.1, and such a launch clears that state for the graphs replayed after it (bench/graph_nodes.py
 # --sequence). Measured in the engine (8B shape, 67 sequences of 8K, zip, alternated on one engine, two rounds,
-# bench/results/zip_engine_other_nudge_h200.json): 20.73 / 20.73 ms a step with it, 21.20 / 21.19 without.
+# bench/results/zip_engine_other_nudge_h200.json): 20.73 / 20.73 ms a step with it, 21.22 / 21.21 without.
 # KVTIDE_PDL_NUDGE=0 turns it off.
 PDL_NUDGE = os.environ.get("KVTIDE_PDL_NUDGE", "1") == "1"
 
@@ -141,8 +143,6 @@ def _nudge_device(device: torch.device) -> int | None:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return None
     if PDL_NUDGE:
-        from ..kernels.cuda_jit import CudaJitError, pdl_nudge
-
         try:
             pdl_nudge(index)
         except CudaJitError as e:
@@ -176,8 +176,6 @@ class FullDecodeGraph(_StepInputs):
         """Logits [batch, vocab] of one decode step planned with this graph's key; valid until the next run."""
         self._load(ids, positions)
         if PDL_NUDGE and self._nudge_device is not None:
-            from ..kernels.cuda_jit import pdl_nudge
-
             pdl_nudge(self._nudge_device)
         self.graph.replay()
         return self.logits

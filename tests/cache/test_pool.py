@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvtide.cache import zipblocks as zb
 from kvtide.cache.pool import ChunkPool, PoolGeometry
-from kvtide.cache.zip_pages import ZipGeometry, ZipPagedKV
+from kvtide.cache.zip_pages import ABSENT, RAW, ZipGeometry, ZipPagedKV
 
 
 class LoopPool(ChunkPool):
@@ -330,9 +331,9 @@ class PerLayerAllocStore(ZipPagedKV):
         idx = self._to_device(np.asarray(pids, dtype=np.int64))
         starts = self._to_device(self._starts_host[:, pids])
         self.group_start_all[:, idx] = starts
-        self.group_desc_all.index_fill_(1, idx, -1 & 0xFF)
+        self.group_desc_all.index_fill_(1, idx, zb.RAW)
         self._raw_groups(starts, zero=True)
-        self.state[pids] = 0
+        self.state[pids] = RAW
         self._generation[pids] += 1
         self.counters["pages_allocated"] += len(pids)
 
@@ -342,10 +343,6 @@ def test_shared_slab_page_allocation_in_one_call_equals_one_call_per_layer(seed:
     """With shared slabs, alloc_pages takes all layers' raw slots in one ChunkPool.alloc call (one sort of the open
     chunks instead of one per layer): the same offsets per layer, pool state and tables as per-layer calls, step by
     step, through allocation, compression (raw slots freed all over the pool) and release."""
-    from kvtide.cache import zipblocks as zb
-    from kvtide.cache.zip_pages import ABSENT, RAW
-
-    assert (zb.RAW, RAW) == (0xFF, 0) and ABSENT == -1  # what PerLayerAllocStore writes literally
     geo = ZipGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, block_size=256)
     chunk = geo.raw_group_bytes * 4
     kw = dict(budget_bytes=geo.num_layers * chunk * 6 + 9 * chunk, chunk_bytes=chunk, private_chunks=2,
@@ -390,4 +387,4 @@ def test_shared_slab_page_allocation_that_runs_dry_frees_what_it_took() -> None:
     with pytest.raises(MemoryError, match="ran out"):
         st.alloc_pages(list(range(4)))
     assert np.array_equal(st.alloc.raw_free_slots, before[0]) and np.array_equal(st.alloc.used, before[1])
-    assert (st.state == -1).all()
+    assert (st.state == ABSENT).all()
