@@ -106,13 +106,14 @@ def analyze(events: list[dict], min_gap_us: float = 20.0, top: int = 25) -> dict
     busy_iv = merge([(e["ts"], e["ts"] + e.get("dur", 0), e) for e in dev])
     busy = sum(min(e, t1) - max(s, t0) for s, e, _ in busy_iv if e > t0 and s < t1)
     gaps = []
-    small: list[tuple[float, str]] = []  # idle under min_gap_us between back-to-back ops: launch latency, not host
+    small: list[tuple[float, str, object, float]] = []  # idle under min_gap_us between back-to-back ops: launch
+    # latency, not host; (gap, family of the op it ends at, that op's launch correlation, its start)
     for (s0, e0, _), (s1, e1, ev1) in zip(busy_iv, busy_iv[1:]):
         g = s1 - e0
         if e0 < t0 or s1 > t1:
             continue
         if g < min_gap_us:
-            small.append((g, family(ev1["name"])))
+            small.append((g, family(ev1["name"]), (ev1.get("args") or {}).get("correlation"), s1))
             continue
         launch = runtime.get((ev1.get("args") or {}).get("correlation"))
         gaps.append({
@@ -172,19 +173,35 @@ def analyze(events: list[dict], min_gap_us: float = 20.0, top: int = 25) -> dict
     }
 
 
-def _small_gaps(small: list[tuple[float, str]], steps: int) -> dict:
-    """Idle between back-to-back device ops (each under the gap threshold): per step, its median, and by the
-    family of the op that ends it. Why: inside a CUDA graph these are the launch latencies between kernels, ~1,400
-    of them a decode step; the H200 showed ~0.4 us each in zip's whole-step graph against ~0.1 in FlashInfer's
-    piecewise graphs."""
+def _small_gaps(small: list[tuple[float, str, object, float]], steps: int, min_launch_ops: int = 8) -> dict:
+    """Idle between back-to-back device ops (each under the gap threshold): per step, its median, by the family of
+    the op that ends it, and by quarter of the launch it belongs to. Why: inside a CUDA graph these are the launch
+    latencies between kernels, ~1,400 of them a decode step; the H200 showed ~0.4 us each in zip's whole-step graph
+    against ~0.1 in FlashInfer's piecewise graphs, a state an eager PDL launch clears (the engine's nudge before each
+    replay). The quarters say whether the idle grows again inside one replay: ops of one graph launch share its
+    correlation id, and launches of fewer than ``min_launch_ops`` ops (eager kernels) are left out of them."""
     fam: dict[str, float] = defaultdict(float)
-    for g, f in small:
+    launches: dict[object, list[tuple[float, float]]] = defaultdict(list)
+    for g, f, corr, ts in small:
         fam[f] += g
-    gs = sorted(g for g, _ in small)
+        if corr is not None:
+            launches[corr].append((ts, g))
+    quarters: list[list[float]] = [[], [], [], []]
+    for ops in launches.values():
+        if len(ops) >= min_launch_ops:
+            for i, (_, g) in enumerate(sorted(ops)):
+                quarters[min(3, 4 * i // len(ops))].append(g)
+    gs = sorted(g for g, *_ in small)
+
+    def med(x: list[float]) -> float | None:
+        return round(sorted(x)[len(x) // 2], 3) if x else None
+
     return {"ms_per_step": round(sum(gs) / 1e3 / steps, 3), "count_per_step": round(len(gs) / steps, 1),
-            "median_us": round(gs[len(gs) // 2], 3) if gs else None,
+            "median_us": med(gs),
             "ms_per_step_by_next_family": {k: round(v / 1e3 / steps, 3) for k, v in
-                                           sorted(fam.items(), key=lambda x: -x[1])}}
+                                           sorted(fam.items(), key=lambda x: -x[1])},
+            "median_us_by_quarter_of_launch": [med(q) for q in quarters],
+            "count_by_quarter_of_launch": [len(q) for q in quarters]}
 
 
 def main() -> None:

@@ -57,3 +57,20 @@ def test_load_gzipped(tmp_path):
     with gzip.open(p, "wt") as f:
         json.dump({"traceEvents": _trace()}, f)
     assert len(load(p)) == len(_trace())
+
+
+def test_small_gaps_by_quarter_of_one_graph_launch():
+    """Ops of one graph launch (one correlation id): idle 0.1 us between the first half's kernels and 0.4 between
+    the second half's shows as medians by quarter; an eager launch's lone kernel stays out of the quarters."""
+    ev = [_x("kvtide.bench_step", "user_annotation", 0, 100),
+          _x("cudaGraphLaunch", "cuda_runtime", 1, 2, correlation=5)]
+    t, gaps = 10.0, [0.1] * 8 + [0.4] * 8
+    for i, g in enumerate(gaps):
+        t += g
+        ev.append(_x(f"elementwise_{i}", "kernel", t, 1.0, tid=9, correlation=5))
+        t += 1.0
+    ev.append(_x("eager_zip_decode", "kernel", t + 0.3, 1.0, tid=9, correlation=6))
+    r = analyze(ev, min_gap_us=20)["small_gaps"]
+    assert r["median_us_by_quarter_of_launch"] == [0.1, 0.1, 0.4, 0.4]
+    # 15 gaps inside the launch (its first kernel is the trace's first op), the eager kernel's only in the totals
+    assert r["count_by_quarter_of_launch"] == [4, 4, 4, 3] and r["count_per_step"] == 16
