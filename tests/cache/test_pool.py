@@ -175,6 +175,43 @@ def assert_same_store(a: ZipPagedKV, b: ZipPagedKV) -> None:
     assert torch.equal(a.pool, b.pool)
 
 
+def run_store_workload(new: ZipPagedKV, old: ZipPagedKV, seed: int, max_new: int, check=None) -> int:
+    """40 rounds on two stores of one geometry, the same calls to each: finish the previous round's compressions,
+    allocate up to ``max_new`` fresh pages (as many as fit), write every layer's spiky K/V, begin compressing them,
+    release a random part of what is held; after each round the stores must agree (and ``check(new, old)`` hold).
+    Returns the pages allocated."""
+    geo = new.geo
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    held: list[int] = []
+    allocated = 0
+    for _ in range(40):
+        for st in (new, old):
+            st.compress_finish()  # the previous round's pages, one "step" later
+        room = new.free_pages(reserve=False)
+        assert room == old.free_pages(reserve=False) and new.free_pages() == old.free_pages()
+        absent = [p for p in range(new.num_page_ids) if new.state[p] == ABSENT]
+        fresh = absent[: int(rng.integers(0, min(room, max_new) + 1))]
+        slots = torch.tensor([p * geo.page_size + o for p in fresh for o in range(geo.page_size)], dtype=torch.long)
+        kv = [(spiky_kv(geo, len(slots), gen, 0.3), spiky_kv(geo, len(slots), gen, 0.1)) for _ in range(geo.num_layers)]
+        for st in (new, old):
+            st.alloc_pages(fresh)
+            for layer, (k, v) in enumerate(kv):
+                st.write(layer, k, v, slots)
+            st.compress_begin(fresh)
+        allocated += len(fresh)
+        held += fresh
+        if held and rng.random() < 0.5:
+            gone = [held.pop(int(i)) for i in sorted(rng.choice(len(held), rng.integers(1, len(held) + 1),
+                                                                replace=False), reverse=True)]
+            for st in (new, old):
+                st.release_pages(gone)
+        assert_same_store(new, old)
+        if check is not None:
+            check(new, old)
+    return allocated
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_store_places_every_group_as_the_loops_did_in_a_tight_pool(seed: int) -> None:
     """Pages allocated, written, compressed (both halves, a step apart) and released at random in a pool too small
@@ -185,32 +222,9 @@ def test_store_places_every_group_as_the_loops_did_in_a_tight_pool(seed: int) ->
     kw = dict(budget_bytes=geo.num_layers * chunk * 3 + 5 * chunk, chunk_bytes=chunk, private_chunks=2,
               shared_slabs=False)  # the old loops knew only slabs per layer
     new, old = ZipPagedKV(geo, **kw), LoopPlaceStore(geo, **kw)
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    held: list[int] = []
-    in_place = 0
-    for _ in range(40):
-        for st in (new, old):
-            st.compress_finish()  # the previous round's pages, one "step" later
-        room = new.free_pages(reserve=False)
-        assert room == old.free_pages(reserve=False) and new.free_pages() == old.free_pages()
-        fresh = [p for p in range(new.num_page_ids) if new.state[p] == -1][: int(rng.integers(0, min(room, 8) + 1))]
-        slots = torch.tensor([p * geo.page_size + o for p in fresh for o in range(geo.page_size)], dtype=torch.long)
-        kv = [(spiky_kv(geo, len(slots), gen, 0.3), spiky_kv(geo, len(slots), gen, 0.1)) for _ in range(3)]
-        for st in (new, old):
-            st.alloc_pages(fresh)
-            for layer, (k, v) in enumerate(kv):
-                st.write(layer, k, v, slots)
-            st.compress_begin(fresh)
-        held += fresh
-        if held and rng.random() < 0.5:
-            gone = [held.pop(int(i)) for i in sorted(rng.choice(len(held), rng.integers(1, len(held) + 1),
-                                                                replace=False), reverse=True)]
-            for st in (new, old):
-                st.release_pages(gone)
-        assert_same_store(new, old)
-        in_place = new.counters["groups_in_place"]
-    assert in_place > 0 and new.alloc.chunks_returned > 0, "the workload should compress in place and return chunks"
+    run_store_workload(new, old, seed, max_new=8)
+    assert new.counters["groups_in_place"] > 0 and new.alloc.chunks_returned > 0, \
+        "the workload should compress in place and return chunks"
 
 
 class _Placer:
@@ -349,32 +363,7 @@ def test_shared_slab_page_allocation_in_one_call_equals_one_call_per_layer(seed:
               shared_slabs=True)
     new, old = ZipPagedKV(geo, **kw), PerLayerAllocStore(geo, **kw)
     assert new.alloc.geo.num_owners == 1
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    held: list[int] = []
-    allocated = 0
-    for _ in range(40):
-        for st in (new, old):
-            st.compress_finish()
-        room = new.free_pages(reserve=False)
-        assert room == old.free_pages(reserve=False)
-        fresh = [p for p in range(new.num_page_ids) if new.state[p] == ABSENT][: int(rng.integers(0, min(room, 6) + 1))]
-        slots = torch.tensor([p * geo.page_size + o for p in fresh for o in range(geo.page_size)], dtype=torch.long)
-        kv = [(spiky_kv(geo, len(slots), gen, 0.3), spiky_kv(geo, len(slots), gen, 0.1)) for _ in range(4)]
-        for st in (new, old):
-            st.alloc_pages(fresh)
-            for layer, (k, v) in enumerate(kv):
-                st.write(layer, k, v, slots)
-            st.compress_begin(fresh)
-        allocated += len(fresh)
-        held += fresh
-        if held and rng.random() < 0.5:
-            gone = [held.pop(int(i)) for i in sorted(rng.choice(len(held), rng.integers(1, len(held) + 1),
-                                                                replace=False), reverse=True)]
-            for st in (new, old):
-                st.release_pages(gone)
-        assert_same_store(new, old)
-        assert_same_state(new.alloc, old.alloc)
+    allocated = run_store_workload(new, old, seed, max_new=6, check=lambda a, b: assert_same_state(a.alloc, b.alloc))
     assert allocated > 20 and new.alloc.chunks_returned > 0
 
 
