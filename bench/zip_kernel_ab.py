@@ -37,7 +37,7 @@ from kvtide.kernels import zip_attention_cuda as zc  # noqa: E402
 from kvtide.kernels import zip_attention_ref as zr  # noqa: E402
 
 HQ, HKV, D, PS, BLOCK = zab.HQ, zab.HKV, zab.D, zab.PS, zab.BLOCK
-PLAN_KEYS = ("warps", "min_blocks", "num_splits", "stage")
+PLAN_KEYS = ("warps", "min_blocks", "num_splits", "stage", "balanced")
 
 
 @dataclass
@@ -145,8 +145,8 @@ def main() -> None:
             for v in args.variant:
                 ver = v.version or args.version
                 p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=ver, device=dev, **v.plan_options)
-                defs = {**zc.defines(D, ver, p.warps, p.min_blocks, p.load_hint, p.cta_merge, p.stage),
-                        **v.overrides}
+                defs = {**zc.defines(D, ver, p.warps, p.min_blocks, p.load_hint, p.cta_merge, p.stage, p.balanced,
+                                     p.tail_merge), **v.overrides}
                 key = (v.name, tuple(sorted(defs.items())))
                 try:
                     if key not in built:
@@ -170,7 +170,8 @@ def main() -> None:
                     first_out[ver] = (v.name, out)
                 info = dict(defines=defs, source=str(v.source), registers=k["zip_decode"].num_regs,
                             local_bytes=k["zip_decode"].local_bytes, splits=p.num_splits,
-                            launch=[p.warps, p.min_blocks], cta_merge=p.cta_merge, stage=p.stage,
+                            launch=[p.warps, p.min_blocks], cta_merge=p.cta_merge, balanced=p.balanced,
+                            stage=p.stage,
                             smem=zc.smem_bytes(D, p.warps, p.stage), rel_err_f64=err,
                             all_written=written, bit_equal_to_first_of_version=same)
                 row["variants"][v.name] = info

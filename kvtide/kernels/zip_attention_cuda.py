@@ -531,15 +531,17 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
 
 
 def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, pool: torch.Tensor,
-           group_start: torch.Tensor, group_desc: torch.Tensor, out: torch.Tensor) -> None:
+           group_start: torch.Tensor, group_desc: torch.Tensor, out: torch.Tensor,
+           clock: torch.Tensor | None = None) -> None:
     """Launch ``k`` (zip_decode and zip_merge built for ``p``'s launch shape; :func:`run` takes them from
-    :func:`kernels`, an A/B bench from other sources or defines) with no checks."""
+    :func:`kernels`, an A/B bench from other sources or defines) with no checks. ``clock``: for a build with
+    ``WARP_CLOCK=1`` (cuda/zip_decode.cu), int64 [grid warps, 4] that its warps write their clocks into."""
     split = (p.num_splits > 1 and not p.cta_merge) or p.balanced
     grid = (math.ceil((p.grid_warps if p.balanced else p.batch * p.num_kv_heads * p.num_splits) / p.warps), 1, 1)
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.split_pages, p.num_splits, p.num_kv_heads,
-        p.group, p.batch, p.arrive if p.tail_merge else p.kv_lens], smem=smem_bytes(p.head_dim, p.warps, p.stage),
+        p.group, p.batch, clock if clock is not None else p.arrive if p.tail_merge else p.kv_lens], smem=smem_bytes(p.head_dim, p.warps, p.stage),
         pdl=p.pdl)
     if p.tail_merge:  # merged by each unit's last warp
         return

@@ -54,6 +54,14 @@ typedef unsigned long long u64;
 #if TAIL_MERGE && CTA_MERGE
 #error "TAIL_MERGE merges partials written to global memory: it cannot be combined with CTA_MERGE"
 #endif
+// WARP_CLOCK 1 (diagnostics only, bench/zip_warp_clock.py; not with TAIL_MERGE): each warp of zip_decode writes its
+// start and end (%globaltimer ns), SM id and clock64 cycles into the buffer passed as ``arrive``.
+#ifndef WARP_CLOCK
+#define WARP_CLOCK 0
+#endif
+#if WARP_CLOCK && TAIL_MERGE
+#error "WARP_CLOCK writes its records where the tail merge keeps its counters"
+#endif
 // STAGE: where the next page's groups wait until they are used. 0: registers (8 x NB per lane for each of K and V);
 // 1: V in the warp's slot of shared memory, copied by cp.async; 2: K and V there. Staged groups free their
 // registers (Q then moves to shared memory too) and go through L2 only (cp.async.cg). Shared memory is dynamic:
@@ -603,13 +611,13 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
-zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
-           const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
-           const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
-           float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch,
-           int* __restrict__ arrive) {
-  wait_for_previous_kernel();
+// One warp's share of the grid: its split (even splits) or its run of pages (BALANCED).
+__device__ __forceinline__ void decode_warp(
+    const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
+    const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
+    const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
+    float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch,
+    int* __restrict__ arrive) {
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
 #if BALANCED
@@ -656,18 +664,78 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 #endif
 }
 
+#if WARP_CLOCK
+__device__ __forceinline__ u64 global_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
+zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
+           const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
+           const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
+           float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch,
+           int* __restrict__ arrive) {
+  wait_for_previous_kernel();
+#if WARP_CLOCK
+  // arrive is the clock buffer here: per warp of the grid, [start ns, end ns, SM id, clock64 cycles]
+  const u64 t0 = global_ns();
+  const long long c0 = clock64();
+#endif
+  decode_warp(q, out, opart, lse, indptr, indices, kv_lens, pool, gstart, gdesc, scale_log2, split_pages, num_splits,
+              hkv, group, batch, arrive);
+#if WARP_CLOCK
+  const long long c1 = clock64();
+  const u64 t1 = global_ns();
+  if ((threadIdx.x & 31) == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
+    u64* rec = reinterpret_cast<u64*>(arrive) + 4 * ((u64)blockIdx.x * NWARPS + (threadIdx.x >> 5));
+    rec[0] = t0;
+    rec[1] = t1;
+    rec[2] = sm;
+    rec[3] = (u64)(c1 - c0);
+  }
+#endif
+}
+
 // out[b, hq, d] = sum_s 2^(lse_s - lse) o_s over pieces 0..n-1 of row (b, hq) (log-sum-exp merge): both merges.
+// The first MERGE_CHUNK pieces' log-sum-exps and values are loaded together before any is used, so the merge waits
+// on memory once, not twice per piece. H200 engine profile at 67 x 8K (~5 pieces a row): zip_merge_balanced 4.4 us
+// a launch against 6.0 for the loops that loaded one value at a time (bench/results/zip_engine_profile_merge_h200.json,
+// zip_engine_profile67_h200.json). Same arithmetic in the same order: the same bits (zip_kernel_ab_merge_h200.json).
+#define MERGE_CHUNK 8
 __device__ __forceinline__ void merge_pieces(const float* __restrict__ opart, const float* __restrict__ lse,
                                              u16* __restrict__ out, int b, int hq, int d, int n, int num_splits,
                                              int hq_total) {
   const long long row = ((long long)b * hq_total + hq) * num_splits;
+  const float* l = lse + row;
+  const float* o = opart + row * D + d;
+  float lv[MERGE_CHUNK], ov[MERGE_CHUNK];
+#pragma unroll
+  for (int s = 0; s < MERGE_CHUNK; ++s) {
+    lv[s] = s < n ? l[s] : NEG_INF;
+    ov[s] = s < n ? o[(long long)s * D] : 0.f;
+  }
   float mx = NEG_INF;
-  for (int s = 0; s < n; ++s) mx = fmaxf(mx, lse[row + s]);
+#pragma unroll
+  for (int s = 0; s < MERGE_CHUNK; ++s) mx = fmaxf(mx, lv[s]);
+  for (int s = MERGE_CHUNK; s < n; ++s) mx = fmaxf(mx, l[s]);
   float sum = 0.f, acc = 0.f;
-  for (int s = 0; s < n; ++s) {
-    const float w = ex2(lse[row + s] - mx);
+#pragma unroll
+  for (int s = 0; s < MERGE_CHUNK; ++s) {
+    if (s < n) {
+      const float w = ex2(lv[s] - mx);
+      sum += w;
+      acc += w * ov[s];
+    }
+  }
+  for (int s = MERGE_CHUNK; s < n; ++s) {
+    const float w = ex2(l[s] - mx);
     sum += w;
-    acc += w * opart[(row + s) * D + d];
+    acc += w * o[(long long)s * D];
   }
   out[((long long)b * hq_total + hq) * D + d] = to_bf16(acc / sum);
 }
