@@ -541,8 +541,8 @@ def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, po
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.split_pages, p.num_splits, p.num_kv_heads,
-        p.group, p.batch, clock if clock is not None else p.arrive if p.tail_merge else p.kv_lens], smem=smem_bytes(p.head_dim, p.warps, p.stage),
-        pdl=p.pdl)
+        p.group, p.batch, clock if clock is not None else p.arrive if p.tail_merge else p.kv_lens],
+        smem=smem_bytes(p.head_dim, p.warps, p.stage), pdl=p.pdl)
     if p.tail_merge:  # merged by each unit's last warp
         return
     if p.balanced:
