@@ -1,7 +1,7 @@
 // ZipFusion paged decode attention over compressed pages, CUDA (sm_80+). Design notes, the Python side and the
 // launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
 // Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE, -DSTAGE,
-// -DBALANCED, -DTAIL_MERGE); no header.
+// -DBALANCED, -DTAIL_MERGE, and for diagnostics -DWARP_CLOCK); no header.
 //
 // One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
 // consecutive such units; with BALANCED, an equal run of all units' pages laid end to end, see zip_decode):
