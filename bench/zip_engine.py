@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 
 import torch
@@ -59,12 +60,6 @@ KERNEL_RULES = (
     ("pdl-nudge", _GRAPHS, "PDL_NUDGE", ("nudge", "no_nudge"),
      "whole-step graphs (any backend): a trivial eager PDL launch before each replay", "pdl_nudge"),
 )
-
-
-def rule_module(path: str):
-    import importlib
-
-    return importlib.import_module(path)
 
 
 # ---- real-model KV for the random model's prefixes -------------------------------------------------------
@@ -492,7 +487,7 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
             if not (rounds and compress and b == largest):
                 continue
             # rounds of a rule the other way, then as given: same engine, same sequences, alternated
-            zc = rule_module(mod)
+            zc = import_module(mod)
             given = getattr(zc, flag)
             for rnd in range(1, rounds + 1):
                 for toggle in (True, False):
@@ -636,14 +631,14 @@ def main() -> None:
 
     for name, mod, flag, _, _, _ in KERNEL_RULES:
         if getattr(a, "zip_" + name.replace("-", "_")) is not None:
-            setattr(rule_module(mod), flag, getattr(a, "zip_" + name.replace("-", "_")) == "on")
+            setattr(import_module(mod), flag, getattr(a, "zip_" + name.replace("-", "_")) == "on")
     zip_options = load_zip_options(a.zip_options, a.context)
     if zip_options:
         from kvtide.kernels import zip_attention as za
         za.set_defaults("zip", **zip_options)
     res: dict = {"env": env(), "zip_kernel_options": zip_options or "defaults of kvtide.kernels.zip_attention",
                  "cuda_kernel_stage": _cuda_stage(args.head_dim),
-                 **{key: getattr(rule_module(mod), flag) for _, mod, flag, _, _, key in KERNEL_RULES},
+                 **{key: getattr(import_module(mod), flag) for _, mod, flag, _, _, key in KERNEL_RULES},
                  "weights": "RANDOM (std 0.02) at the preset's shape: no trained 8B weights are reachable",
                  "model": {"name": a.model_name, "args": str(args), "compute_dtype": a.dtype, "kv_dtype": "bfloat16"},
                  "setup": {"context": a.context, "timed_decode_steps": a.steps, "page_size": PAGE,

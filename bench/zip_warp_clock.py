@@ -34,7 +34,7 @@ MODES = {"plan": {}, "even": {"balanced": False}, "balanced": {"balanced": True}
 
 
 def pieces_per_warp(p: zc.CudaDecodePlan, indptr: list[int]) -> list[int]:
-    """Pieces (units met) of every warp of ``p``'s grid: the balanced walk's, or 1 for a split holding pages."""
+    """Pieces (units met) of every warp of ``p``'s grid: the balanced walk's (its host mirror), or 1 for a split."""
     warps = math.ceil((p.grid_warps if p.balanced else p.batch * p.num_kv_heads * p.num_splits) / p.warps) * p.warps
     if not p.balanced:
         return [1] * warps
