@@ -7,6 +7,7 @@ than its device work has gaps, and the gap's host context (a scheduler range, a 
 the cause. Works on the gzipped or plain JSON; needs nothing but the standard library.
 
     python bench/trace_gaps.py trace_zip.json.gz [--min-gap-us 20] [--out summary.json]
+    python bench/trace_gaps.py trace_zip.json.gz --steps [--marker ArgMaxOps] [--out steps.json]
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pathlib import Path
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 STEP = "kvtide.bench_step"  # the bench's range around each engine.step()
+MARKER = r"ArgMaxOps"  # a kernel launched once per decode step (greedy sampling), where device_steps cuts
+SLOW_GAP_US = 0.25  # a device step whose median launch gap is above this ran in the slow-launch state
 WAITS = r"Synchronize|^cudaMemcpy$|cudaMemcpy2D$|cudaHostAlloc|cudaFreeHost|cudaMallocHost"  # host calls that wait
 
 FAMILIES = [  # (family, regex on the kernel name), first match wins
@@ -204,13 +207,53 @@ def _small_gaps(small: list[tuple[float, str, object, float]], steps: int, min_l
             "count_by_quarter_of_launch": [len(q) for q in quarters]}
 
 
+def device_steps(events: list[dict], marker: str = MARKER, slow_gap_us: float = SLOW_GAP_US,
+                 min_gap_us: float = 20.0) -> dict:
+    """The device timeline cut at each start of a once-a-step kernel (``marker``; greedy sampling's argmax):
+    per device step its period, busy and idle time and the median launch gap (idle under ``min_gap_us``), and the
+    steps grouped by that median. Why: the host's step ranges are a step ahead of the device under async
+    scheduling, so they cannot say which device step idled; the twenty-eighth session found zip's whole-step
+    replays in two states, ~0.1 and ~0.4 us between kernels, changing between steps of one run."""
+    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    cut = [i for i, e in enumerate(dev) if re.search(marker, e["name"])]
+    steps = []
+    for a, b in zip(cut, cut[1:]):
+        seg = dev[a:b]
+        period = dev[b]["ts"] - dev[a]["ts"]
+        busy = sum(e - s for s, e, _ in merge([(e["ts"], e["ts"] + e.get("dur", 0), e) for e in seg]))
+        gaps = sorted(y["ts"] - (x["ts"] + x.get("dur", 0)) for x, y in zip(seg, seg[1:]))
+        small = [g for g in gaps if 0 <= g < min_gap_us]
+        steps.append({"period_ms": round(period / 1e3, 4), "busy_ms": round(busy / 1e3, 4),
+                      "idle_ms": round((period - busy) / 1e3, 4), "ops": len(seg),
+                      "median_gap_us": round(small[len(small) // 2], 3) if small else None})
+    states = {}
+    for name, sel in (("slow", lambda g: g is not None and g > slow_gap_us),
+                      ("fast", lambda g: g is not None and g <= slow_gap_us)):
+        st = [s for s in steps if sel(s["median_gap_us"])]
+        if st:
+            med = lambda k: round(sorted(s[k] for s in st)[len(st) // 2], 3)  # noqa: E731
+            states[name] = {"steps": len(st), "median_period_ms": med("period_ms"), "median_busy_ms": med("busy_ms"),
+                            "median_idle_ms": med("idle_ms"), "median_gap_us": med("median_gap_us")}
+    return {"marker": marker, "slow_gap_us": slow_gap_us, "steps": len(steps), "by_state": states,
+            "per_step": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path)
     ap.add_argument("--min-gap-us", type=float, default=20.0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--steps", action="store_true",
+                    help="per device step instead (cut at --marker): period, busy, idle, median launch gap")
+    ap.add_argument("--marker", default=MARKER)
     a = ap.parse_args()
+    if a.steps:
+        r = device_steps(load(a.trace), a.marker, min_gap_us=a.min_gap_us)
+        if a.out:
+            a.out.write_text(json.dumps(r, indent=1))
+        print(json.dumps({k: v for k, v in r.items() if k != "per_step"}, indent=1))
+        return
     r = analyze(load(a.trace), a.min_gap_us, a.top)
     text = json.dumps(r, indent=1)
     if a.out:

@@ -2,7 +2,7 @@
 import gzip
 import json
 
-from bench.trace_gaps import analyze, load
+from bench.trace_gaps import analyze, device_steps, load
 
 
 def _x(name, cat, ts, dur, tid=1, **args):
@@ -74,3 +74,28 @@ def test_small_gaps_by_quarter_of_one_graph_launch():
     assert r["median_us_by_quarter_of_launch"] == [0.1, 0.1, 0.4, 0.4]
     # 15 gaps inside the launch (its first kernel is the trace's first op), the eager kernel's only in the totals
     assert r["count_by_quarter_of_launch"] == [4, 4, 4, 3] and r["count_per_step"] == 16
+
+
+def test_device_steps_cut_at_the_marker_and_grouped_by_launch_gap():
+    """Three device steps cut at the argmax kernel: the first with 0.4 us between its kernels and 5 us idle before
+    the next step, the second with 0.1 us; the last marker only closes the second step."""
+    ev, t = [], 0.0
+    for gap in (0.4, 0.1):
+        ev.append(_x("reduce_kernel<ArgMaxOps<float>>", "kernel", t, 2.0, tid=9))
+        t += 2.0
+        for i in range(5):
+            t += gap
+            ev.append(_x(f"elementwise_{i}", "kernel", t, 10.0, tid=9))
+            t += 10.0
+        t += 5.0
+    ev.append(_x("reduce_kernel<ArgMaxOps<float>>", "kernel", t, 2.0, tid=9))
+    ev.append(_x("kvtide.bench_step", "user_annotation", 0, t))  # host ranges do not matter here
+    r = device_steps(ev, min_gap_us=1.0)
+    assert r["steps"] == 2
+    s0, s1 = r["per_step"]
+    assert s0["ops"] == s1["ops"] == 6
+    assert s0["busy_ms"] == s1["busy_ms"] == 0.052
+    assert s0["period_ms"] == 0.059 and s1["period_ms"] == 0.0575
+    assert s0["median_gap_us"] == 0.4 and s1["median_gap_us"] == 0.1  # the 5 us before the next step is not small
+    assert r["by_state"]["slow"]["steps"] == 1 and r["by_state"]["fast"]["steps"] == 1
+    assert r["by_state"]["slow"]["median_idle_ms"] == 0.007
