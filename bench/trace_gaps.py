@@ -231,9 +231,9 @@ def device_steps(events: list[dict], marker: str = MARKER, slow_gap_us: float = 
                       ("fast", lambda g: g is not None and g <= slow_gap_us)):
         st = [s for s in steps if sel(s["median_gap_us"])]
         if st:
-            med = lambda k: round(sorted(s[k] for s in st)[len(st) // 2], 3)  # noqa: E731
-            states[name] = {"steps": len(st), "median_period_ms": med("period_ms"), "median_busy_ms": med("busy_ms"),
-                            "median_idle_ms": med("idle_ms"), "median_gap_us": med("median_gap_us")}
+            states[name] = {"steps": len(st), **{out: round(sorted(s[k] for s in st)[len(st) // 2], 3) for out, k in
+                                                 (("median_period_ms", "period_ms"), ("median_busy_ms", "busy_ms"),
+                                                  ("median_idle_ms", "idle_ms"), ("median_gap_us", "median_gap_us"))}}
     return {"marker": marker, "slow_gap_us": slow_gap_us, "steps": len(steps), "by_state": states,
             "per_step": steps}
 

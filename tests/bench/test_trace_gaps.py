@@ -77,7 +77,7 @@ def test_small_gaps_by_quarter_of_one_graph_launch():
 
 
 def test_device_steps_cut_at_the_marker_and_grouped_by_launch_gap():
-    """Three device steps cut at the argmax kernel: the first with 0.4 us between its kernels and 5 us idle before
+    """Two device steps cut at three argmax kernels: the first with 0.4 us between its kernels and 5 us idle before
     the next step, the second with 0.1 us; the last marker only closes the second step."""
     ev, t = [], 0.0
     for gap in (0.4, 0.1):
@@ -98,4 +98,4 @@ def test_device_steps_cut_at_the_marker_and_grouped_by_launch_gap():
     assert s0["period_ms"] == 0.059 and s1["period_ms"] == 0.0575
     assert s0["median_gap_us"] == 0.4 and s1["median_gap_us"] == 0.1  # the 5 us before the next step is not small
     assert r["by_state"]["slow"]["steps"] == 1 and r["by_state"]["fast"]["steps"] == 1
-    assert r["by_state"]["slow"]["median_idle_ms"] == 0.007
+    assert r["by_state"]["slow"]["median_idle_ms"] == 0.007 and r["by_state"]["slow"]["median_gap_us"] == 0.4
