@@ -1,18 +1,81 @@
-"""The `kvtide` command: models, generate, chat, demo."""
+"""The `kvtide` command: models, generate, chat, demo.
+
+Commands that build an engine resolve its config with `config_load` (flags > KVTIDE_* env > --config file >
+defaults); `--log-level` puts a stderr handler on the `kvtide` logger only.
+"""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# engine flags -> config keys (section.field); a flag left out sets nothing, so env and file values still apply
+ENGINE_FLAGS: dict[str, str] = {
+    "model": "model", "device": "device", "dtype": "dtype", "attention_backend": "attention_backend",
+    "compress": "cache.compress", "num_pages": "cache.num_pages", "kv_cache_bytes": "cache.kv_cache_bytes",
+    "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "max_model_len": "scheduler.max_model_len", "restore_store": "restore.store",
+}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="bundled model name, HF safetensors dir, or .gguf file")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer", "zip"],
+    p.add_argument("--config", metavar="FILE", help="YAML (or .json) config file: model, device, ..., cache:, "
+                   "scheduler:, restore: sections; flags and KVTIDE_* variables take precedence over it")
+    p.add_argument("--print-config", action="store_true", help="print the effective config (YAML) and exit")
+    p.add_argument("--model", help="bundled model name, HF safetensors dir, or .gguf file (default smollm2-135m)")
+    p.add_argument("--device", help="auto, cpu or cuda[:N] (default auto)")
+    p.add_argument("--dtype", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer", "zip"],
                    help="zip: the fused ZipFusion kernel over compressed pages (needs --compress and CUDA)")
-    p.add_argument("--compress", action="store_true", help="keep completed KV pages losslessly compressed (ZipFusion)")
+    p.add_argument("--compress", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep completed KV pages losslessly compressed (ZipFusion)")
+    p.add_argument("--num-pages", type=int, help="KV cache size in pages (or --kv-cache-bytes)")
+    p.add_argument("--kv-cache-bytes", type=int, help="KV cache size in bytes (or --num-pages)")
+    p.add_argument("--max-num-seqs", type=int, help="most sequences running per step")
+    p.add_argument("--max-num-batched-tokens", type=int, help="most tokens per step")
+    p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
+    p.add_argument("--restore-store", metavar="SPEC", help="turn restoration on with this KV store: memory, "
+                   "pinned, disk:PATH or redis://host:port[/db]")
+
+
+def _engine_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags the user gave, nested by section (flags left out are absent, not defaults)."""
+    out: dict[str, Any] = {}
+    for dest, key in ENGINE_FLAGS.items():
+        value = getattr(a, dest, None)
+        if value is None:
+            continue
+        section, _, name = key.rpartition(".")
+        (out.setdefault(section, {}) if section else out)[name] = value
+    return out
+
+
+def resolve_engine_config(a: argparse.Namespace):
+    """The `EngineConfig` of an engine subcommand: its flags over KVTIDE_* variables over --config over defaults."""
+    from .config_load import load_settings
+
+    origins = {key: "--" + dest.replace("_", "-") for dest, key in ENGINE_FLAGS.items()}
+    return load_settings(_engine_overrides(a), file=a.config, origins=origins).engine
+
+
+def configure_logging(level: str) -> None:
+    """A stderr handler on the `kvtide` logger at ``level`` (debug, info, warning, error). The root logger and
+    other libraries' loggers are left alone; calling it again replaces the handler instead of adding one."""
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log level {level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    logger = logging.getLogger("kvtide")
+    for h in [h for h in logger.handlers if getattr(h, "kvtide_cli", False)]:
+        logger.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.kvtide_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("kvtide: %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False  # one line per record even where the root logger has handlers of its own
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -32,11 +95,9 @@ def _params(a: argparse.Namespace):
 
 
 def _llm(a: argparse.Namespace):
-    from .config import CacheConfig
     from .engine.llm import LLM
 
-    return LLM(a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
-               cache=CacheConfig(compress=a.compress))
+    return LLM(config=a.engine_config)
 
 
 def cmd_models(a: argparse.Namespace) -> int:
@@ -107,6 +168,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    cfg = a.engine_config  # run_demo builds its engines from these four
+    a.model, a.device, a.dtype, a.attention_backend = cfg.model, cfg.device, cfg.dtype, cfg.attention_backend
     return run_demo(a)
 
 
@@ -129,38 +192,54 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtide", description="kvtide: a KV-cache layer for LLM serving")
+    ap.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="of the kvtide logger, on stderr")
+    common = argparse.ArgumentParser(add_help=False)  # --log-level after the command name works too
+    common.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help="of the kvtide logger")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("models", help="list bundled models, installed or not")
+    p = sub.add_parser("models", help="list bundled models, installed or not", parents=[common])
     p.set_defaults(fn=cmd_models)
 
-    p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
+    p = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal", parents=[common])
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _engine_args(p)
     _sampling_args(p, 128)
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("chat", help="multi-turn chat; each turn reuses the previous turns' KV pages")
+    p = sub.add_parser("chat", parents=[common],
+                       help="multi-turn chat; each turn reuses the previous turns' KV pages")
     _engine_args(p)
     _sampling_args(p, 256)
     p.set_defaults(fn=cmd_chat)
 
-    p = sub.add_parser("demo", help="scripted multi-turn chat showing what the KV layer did, with numbers")
+    p = sub.add_parser("demo", parents=[common],
+                       help="scripted multi-turn chat showing what the KV layer did, with numbers")
     _engine_args(p)
     p.add_argument("--max-tokens", type=int, default=40, help="tokens per assistant turn")
     p.add_argument("--turns", type=int, default=4)
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("bench", help="benchmark suites (JSON + PNG under bench/results/); NAME --help for options")
+    p = sub.add_parser("bench", parents=[common],
+                       help="benchmark suites (JSON + PNG under bench/results/); NAME --help for options")
     p.add_argument("suite", choices=sorted(BENCH_SUITES))
     p.add_argument("args", nargs=argparse.REMAINDER, help="options of the suite")
     p.set_defaults(fn=cmd_bench)
 
     a = ap.parse_args(argv)
+    configure_logging(a.log_level)
     from .models.registry import ModelNotFoundError
 
     try:
+        if hasattr(a, "print_config"):  # an engine subcommand
+            a.engine_config = resolve_engine_config(a)
+            if a.print_config:
+                import yaml
+
+                from .config_load import config_dict
+
+                sys.stdout.write(yaml.safe_dump(config_dict(a.engine_config), sort_keys=False))
+                return 0
         return a.fn(a)
     except (ModelNotFoundError, ValueError, TypeError) as e:
         print(f"kvtide: error: {e}", file=sys.stderr)

@@ -120,7 +120,9 @@ class RestoreConfig:
     """CacheFlow restoration (kvtide/engine/restoration.py): finished requests' full prefix chunks go to a KV
     store; a new request whose prefix is in the store but not on the device is restored by plan."""
 
-    store: str = "memory"  # memory | pinned (page-locked memory, DMA loads) | disk:PATH | redis://host:port[/db]
+    # memory | pinned (page-locked memory, DMA loads) | disk:PATH | redis[s]://[user:password@]host[:port][/db]
+    # [?ttl=SECONDS&prefix=PREFIX] (kvtide/store/redis_store.py)
+    store: str = "memory"
     memory_bytes: int = 1 << 30  # bound of the in-process tier (memory, pinned)
     chunk_tokens: int = 256  # store/plan granularity; a multiple of the page size
     method: str = "cacheflow"  # cacheflow | recompute | load | cake | layerwise (all on the same executor)
@@ -139,6 +141,23 @@ class RestoreConfig:
     # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
     # RestoreStats.writes_dropped): a tier that cannot keep up costs later recomputes, not host memory
     write_queue_bytes: int = 8 << 30
+    # slow and dead tiers (kvtide/store/breaker.py, kvtide/store/redis_store.py): a Redis operation times out after
+    # store_timeout_s; breaker_failures consecutive tier failures (0: no breaker) skip a remote tier (disk, Redis)
+    # for breaker_backoff_s, then one operation probes it. Store lookups in a step stop after lookup_budget_s of
+    # store time (None: no bound): the requests not looked up are prefilled as usual. Closing the engine waits at
+    # most flush_timeout_s (None: no bound) for queued writes; the rest is dropped and counted.
+    store_timeout_s: float = 0.5
+    breaker_failures: int = 3
+    breaker_backoff_s: float = 5.0
+    lookup_budget_s: float | None = 0.05
+    flush_timeout_s: float | None = 10.0
+    # trust and isolation (kvtide/store/auth.py, kvtide/store/keys.py): secret (None: $KVTIDE_STORE_SECRET if set)
+    # signs every record written and rejects every record without its MAC (counted as forged, deleted); namespace
+    # (e.g. a tenant) keys entries apart from every other namespace's; store_token_ids=False keeps token ids out of
+    # records (a hash of them is checked instead)
+    secret: str | None = field(default=None, repr=False)
+    namespace: str | None = None
+    store_token_ids: bool = True
 
     def __post_init__(self) -> None:
         from .store.factory import check_spec
@@ -169,6 +188,23 @@ class RestoreConfig:
             raise ValueError(f"RestoreConfig.load_read_ahead must be None or an int >= 0, got {self.load_read_ahead!r}")
         if self.store_codec not in (None, "zip"):
             raise ValueError(f"RestoreConfig.store_codec must be None or 'zip', got {self.store_codec!r}")
+        for name, allow_none in (("store_timeout_s", False), ("breaker_backoff_s", False),
+                                 ("lookup_budget_s", True), ("flush_timeout_s", True)):
+            v = getattr(self, name)
+            if not (v is None and allow_none) and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                                  or not 0 < v < float("inf")):
+                raise ValueError(f"RestoreConfig.{name} must be a number of seconds > 0{' or None' * allow_none}, "
+                                 f"got {v!r}")
+        if not isinstance(self.breaker_failures, int) or isinstance(self.breaker_failures, bool) \
+                or self.breaker_failures < 0:
+            raise ValueError(f"RestoreConfig.breaker_failures must be an int >= 0 (0: no breaker), "
+                             f"got {self.breaker_failures!r}")
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ValueError("RestoreConfig.secret must be None or a non-empty string")  # never echo it
+        if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
+            raise ValueError(f"RestoreConfig.namespace must be None or a non-empty string, got {self.namespace!r}")
+        if not isinstance(self.store_token_ids, bool):
+            raise ValueError(f"RestoreConfig.store_token_ids must be a bool, got {self.store_token_ids!r}")
 
 
 @dataclass
@@ -246,30 +282,8 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "EngineConfig":
-        """Defaults, then KVTIDE_* variables, then explicit keyword overrides."""
-        cfg = cls(**overrides)
-        env = {k[len("KVTIDE_"):].lower(): v for k, v in os.environ.items() if k.startswith("KVTIDE_")}
-        sections = {"cache": cfg.cache, "scheduler": cfg.scheduler}
-        top: dict[str, Any] = {}  # applied with the sections at once: checks may span both (zip needs compress)
-        for key, raw in env.items():
-            section, _, name = key.partition("_")
-            if section in sections and any(f.name == name for f in dataclasses.fields(sections[section])):
-                if name not in overrides:
-                    sections[section] = dataclasses.replace(sections[section], **{name: _coerce(sections[section], name, raw)})
-            elif any(f.name == key for f in dataclasses.fields(cls)) and key not in ("cache", "scheduler") and key not in overrides:
-                top[key] = _coerce(cfg, key, raw)
-        return dataclasses.replace(cfg, cache=sections["cache"], scheduler=sections["scheduler"], **top)
+        """Defaults, then KVTIDE_* variables, then explicit keyword overrides (never overridden by the environment;
+        a section given as an instance, e.g. ``cache=CacheConfig(...)``, is taken whole). See `config_load`."""
+        from .config_load import load_config
 
-
-def _coerce(obj: Any, name: str, raw: str) -> Any:
-    current = getattr(obj, name)
-    ftype = str(next(f.type for f in dataclasses.fields(obj) if f.name == name))
-    if isinstance(current, bool) or ftype.startswith("bool"):
-        if ftype.endswith("None") and raw.lower() in ("", "none", "auto"):
-            return None
-        return raw.lower() in ("1", "true", "yes", "on")
-    if isinstance(current, int) or name in ("num_pages", "kv_cache_bytes", "max_model_len", "chunk_bytes"):
-        return int(raw)
-    if isinstance(current, float):
-        return float(raw)
-    return raw
+        return load_config(overrides)

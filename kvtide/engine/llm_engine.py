@@ -1,4 +1,10 @@
-"""The engine loop: admit requests, schedule a step, run it, turn sampled tokens into text and finished outputs."""
+"""The engine: admit requests, schedule a step, run it, turn sampled tokens into text and finished outputs.
+
+Single-threaded: one thread calls ``add_request`` / ``step`` / ``abort`` (``EngineLoop`` is how many callers share
+it). What fails in one request (non-finite logits, a stop check, detokenizing, its restoration) finishes that request
+with ``finish_reason="error"`` and ``RequestOutput.error``; the batch and later requests go on. A step that fails as
+a whole (the forward pass raised) ends the requests of that step the same way and leaves the engine serving.
+"""
 from __future__ import annotations
 
 import itertools
@@ -10,13 +16,17 @@ from torch.profiler import record_function
 
 from ..cache.zip_pages import ZipGeometry, ZipPagedKV
 from ..config import EngineConfig
+from ..log import get_logger
 from ..models.loader import load_model
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepHandle
 from .restoration import make_restorer
+from .sampler import BAD_TOKEN
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import PENDING, Sequence, Status
+
+log = get_logger("engine")
 
 
 @dataclass
@@ -27,13 +37,14 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" (EOS, stop string or stop token), "length", "abort"
+    finish_reason: str | None = None  # "stop" (EOS, stop string or stop token), "length", "abort", "error"
     new_text: str = ""  # text made visible since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     ttft: float | None = None  # seconds from arrival to the first token
     latency: float | None = None  # seconds from arrival to the last token (set when finished)
     num_preemptions: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error"); None otherwise
 
 
 @dataclass
@@ -45,6 +56,8 @@ class EngineStats:
     decode_seconds: float = 0.0
     step_seconds: float = 0.0
     last_step: tuple[int, int, float] = (0, 0, 0.0)  # (prefill tokens, decode tokens, seconds) of the latest step
+    request_errors: int = 0  # requests finished with finish_reason "error"
+    step_errors: int = 0  # steps whose forward pass raised (their requests failed)
 
 
 class LLMEngine:
@@ -131,6 +144,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; a bad one raises ValueError and leaves the engine untouched."""
+        seq = self.make_sequence(prompt, params, request_id)
+        self.enqueue(seq)
+        return seq.request_id
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None) -> Sequence:
+        """Validate and tokenize a request without touching the engine's state (safe from any thread)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -154,15 +174,22 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but the context window is {self.max_seq_len} tokens "
                 f"(model {self.max_model_len}, KV cache {self.num_pages * self.block_manager.page_size}); "
                 "shorten it to leave room for at least one generated token")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.seqs:
-            raise ValueError(f"request id '{rid}' is already in use")
         seq = Sequence(rid, text, ids, params)
         seq.detok = self.tokenizer.detokenizer()
-        seq.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
-        self.seqs[rid] = seq
+        seq.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue a sequence from ``make_sequence``; ValueError if its request id is in use."""
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request id '{seq.request_id}' is already in use")
+        if seq.generator is None:
+            seq.generator = self._generator
+        self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        return rid
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -170,6 +197,29 @@ class LLMEngine:
             seq.status = Status.FINISHED
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+
+    def fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Finish ``seq`` with an error (its pages released, nothing of it runs again); returns its final output."""
+        if not seq.finished:
+            queued = seq.status is not Status.WAITING or seq in self.scheduler.waiting
+            seq.status = Status.FINISHED
+            seq.finish_reason = "error"
+            seq.finish_time = time.perf_counter()
+            self.stats.request_errors += 1
+            log.warning("request %s failed: %s", seq.request_id, message)
+            try:
+                if queued:
+                    self.scheduler.finish(seq)
+            except Exception:  # noqa: BLE001 - a failed release must not stop the loop
+                log.exception("request %s: releasing its pages failed", seq.request_id)
+        if self.seqs.get(seq.request_id) is seq:  # (a duplicate id's sequence never entered the engine)
+            del self.seqs[seq.request_id]
+        done = [t for t in seq.output_token_ids if t >= 0]
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text[:seq.emitted_chars], token_ids=done, finished=True, finish_reason="error",
+            num_cached_tokens=seq.num_cached_tokens, ttft=seq.ttft, num_preemptions=seq.num_preemptions,
+            latency=seq.finish_time - seq.arrival if seq.finish_time is not None else None, error=message)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._pending is not None
@@ -182,14 +232,39 @@ class LLMEngine:
         previous one's tokens are read: the host schedules and plans step N+1 while the device runs step N, and the
         outputs returned are step N's. A sequence that stops (EOS, stop string) in step N has already been launched
         in step N+1; that token is dropped, and its pages are released."""
-        restored = self.restorer.step() if self.restorer is not None else []
+        restored = self._restore_step()
         with record_function("kvtide.schedule"):
             plan = self.scheduler.schedule()
         prev, self._pending = self._pending, None
         if not plan.batch and prev is None:
             if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
+                # cannot happen for a validated request (add_request bounds its length by the whole cache);
+                # fail it rather than the loop
+                seq = self.scheduler.waiting[0]
+                return restored + [self.fail(seq, "the KV cache cannot hold this request even when empty")]
             return restored
+        try:
+            return restored + self._run(plan, prev)
+        except Exception as e:  # noqa: BLE001 - a failed step ends its own requests, not the engine
+            self.stats.step_errors += 1
+            log.exception("engine step failed; its requests end with an error")
+            self._pending = None
+            seqs = {id(s): s for s, _ in plan.batch}
+            if prev is not None:
+                seqs.update((id(s), s) for s in prev.seqs)
+            msg = f"engine step failed: {type(e).__name__}: {e}"
+            return restored + [self.fail(s, msg) for s in seqs.values() if not s.finished]
+
+    def _restore_step(self) -> list[RequestOutput]:
+        if self.restorer is None:
+            return []
+        try:
+            return self.restorer.step()
+        except Exception:  # noqa: BLE001 - a restoration bug costs a plain prefill, never the loop
+            log.exception("restoration step failed; waiting requests are prefilled instead")
+            return []
+
+    def _run(self, plan, prev: StepHandle | None) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         t0 = time.perf_counter()
         if plan.batch:
@@ -218,7 +293,7 @@ class LLMEngine:
                 self.stats.decode_seconds += dt
         if self.store is not None and self._pending is None and not self.scheduler.has_work():
             self.store.compress_finish()  # idle: no next step to overlap the last filled pages' placement with
-        return restored + outputs
+        return outputs
 
     def _advance(self, batch: list[tuple[Sequence, int]], handle: StepHandle) -> None:
         """Book a launched step: its tokens are computed, and each sampling sequence that will go on gets a
@@ -254,13 +329,19 @@ class LLMEngine:
                     self.block_manager.commit(seq)
             outputs = []
             for seq, slot, token in live:
-                out = self._append_token(seq, slot, token, now)
+                try:
+                    out = self._append_token(seq, slot, token, now)
+                except Exception as e:  # noqa: BLE001 - stop checks / detokenizing of one request
+                    out = self.fail(seq, f"processing its output failed: {type(e).__name__}: {e}")
                 if out is not None:
                     outputs.append(out)
         return outputs
 
     def _append_token(self, seq: Sequence, slot: int, token: int, now: float) -> RequestOutput | None:
         """Output ``token`` (already at ``output_token_ids[slot]``): text, stop checks, finish."""
+        if token == BAD_TOKEN:
+            del seq.output_token_ids[slot:]
+            return self.fail(seq, "the model produced non-finite logits (NaN or Inf) for this request")
         p = seq.params
         if seq.first_token_time is None:
             seq.first_token_time = now

@@ -25,7 +25,7 @@ class StepHandle:
 
     seqs: list[Sequence]
     tokens_dev: torch.Tensor
-    host: torch.Tensor | None = None  # pinned copy in flight (CUDA), ready once ``event`` has run
+    host: torch.Tensor | None = None  # pinned copy in flight (CUDA), ready once ``event`` has run; BAD_TOKEN rows
     event: torch.cuda.Event | None = None
     tokens: list[int] | None = None  # already on the host (sampled there, or read)
     # booked by the engine when it launches the step: where each sampled token goes in its sequence's outputs,
@@ -171,17 +171,18 @@ class ModelRunner:
         if not seqs:
             return StepHandle([], torch.zeros(0, dtype=torch.long, device=self.device), tokens=[])
         if all(p.greedy for p in params):
-            tok = greedy_tokens(logits)
+            tok, checked = greedy_tokens(logits)  # checked: BAD_TOKEN where a row's logits are not finite
             if tok.device.type != "cuda":
-                return StepHandle(seqs, tok)
+                return StepHandle(seqs, tok, tokens=checked.tolist())
             host = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
-            host.copy_(tok, non_blocking=True)
+            host.copy_(checked, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             return StepHandle(seqs, tok, host, event)
         # temperature / top-k / top-p: on the host, with each request's own generator (waits for the device)
         toks = sample(logits, params, [generators[i] for i in sampling])
-        return StepHandle(seqs, to_device(torch.tensor(toks, dtype=torch.long), self.device), tokens=toks)
+        ids = [max(t, 0) for t in toks]  # a BAD_TOKEN row's next input: any valid id (its request is ended)
+        return StepHandle(seqs, to_device(torch.tensor(ids, dtype=torch.long), self.device), tokens=toks)
 
     def execute(self, batch: list[tuple[Sequence, int]], generators: list[torch.Generator | None]) -> list[int]:
         """Run one step and wait for it. Returns one sampled token per sequence whose chunk reaches its last token,
