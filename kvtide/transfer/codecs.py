@@ -3,16 +3,22 @@
 Code streams (``bits`` set) are bit-packed before general-purpose compressors and modelled with a
 ``2**bits``-symbol alphabet by the entropy coder; multi-byte arrays are split into byte planes first
 (exponent bytes compress apart from mantissa bytes). Every codec is exact.
+
+Decoders are bounded by the stream's declared dtype and shape: the coded bytes must expand to exactly
+``expected_nbytes`` (zstd/lz4 capped at it, see bounded.py; rANS symbol counts checked first, see rans.py),
+and any damage is a ContainerError.
 """
 from __future__ import annotations
 
-import io
+import dataclasses
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
+from . import bounded, rans
 from .errors import ContainerError, SpecError
 from .stage import Stage, Stream, check_int, register
 
@@ -34,7 +40,14 @@ def pack_bits(codes: np.ndarray, bits: int) -> bytes:
     return np.packbits(planes.ravel()).tobytes()
 
 
+def packed_nbytes(n: int, bits: int) -> int:
+    return -(-n * bits // 8)
+
+
 def unpack_bits(data: bytes, n: int, bits: int) -> np.ndarray:
+    if len(data) != packed_nbytes(n, bits):
+        raise ContainerError(f"packed {bits}-bit code stream of {n} codes: expected {packed_nbytes(n, bits)} bytes, "
+                             f"got {len(data)}")
     raw = np.frombuffer(data, np.uint8)
     if bits == 8:
         out = raw
@@ -60,7 +73,12 @@ def unplanes(b: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _n(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)
+
+
+def expected_nbytes(dtype: np.dtype, shape: tuple[int, ...], bits: int | None) -> int:
+    """Bytes a stream expands to before its byte-level coding: packed codes, or the array's bytes."""
+    return packed_nbytes(_n(shape), bits) if bits else _n(shape) * dtype.itemsize
 
 
 def _expect(data: bytes, n: int, what: str) -> bytes:
@@ -115,7 +133,8 @@ class _Bytes(Codec):
     def _c(self, b: bytes) -> bytes:
         raise NotImplementedError
 
-    def _d(self, b: bytes) -> bytes:
+    def _d(self, b: bytes, size: int) -> bytes:
+        """Decompress ``b`` to exactly ``size`` bytes, allocating no more than that."""
         raise NotImplementedError
 
     def encode(self, s):
@@ -124,7 +143,9 @@ class _Bytes(Codec):
 
     def decode(self, data, dtype, shape, bits, bf16):
         try:
-            raw = self._d(data)
+            raw = self._d(data, expected_nbytes(dtype, shape, bits))
+        except ContainerError:
+            raise
         except Exception as e:  # the libraries raise their own types on damage
             raise ContainerError(f"{self.name}: cannot decompress stream: {e}") from e
         if bits:
@@ -146,9 +167,8 @@ class Zstd(_Bytes):
         import zstandard
         return zstandard.ZstdCompressor(level=self.l).compress(b)
 
-    def _d(self, b):
-        import zstandard
-        return zstandard.ZstdDecompressor().decompress(b)
+    def _d(self, b, size):
+        return bounded.zstd(b, size)
 
 
 @register(Codec)
@@ -164,40 +184,8 @@ class Lz4(_Bytes):
         import lz4.frame
         return lz4.frame.compress(b, compression_level=self.l)
 
-    def _d(self, b):
-        import lz4.frame
-        return lz4.frame.decompress(b)
-
-
-def _ans_encode(sym: np.ndarray, alphabet: int) -> bytes:
-    import constriction
-    counts = np.bincount(sym, minlength=alphabet).astype(np.uint32)
-    head = struct.pack("<II", alphabet, sym.size) + counts.tobytes()
-    if sym.size == 0:
-        return head
-    model = constriction.stream.model.Categorical(counts / counts.sum(dtype=np.float64), perfect=False)
-    coder = constriction.stream.stack.AnsCoder()
-    coder.encode_reverse(sym.astype(np.int32), model)
-    return head + coder.get_compressed().tobytes()
-
-
-def _ans_decode(buf: memoryview, alphabet: int) -> np.ndarray:
-    import constriction
-    a, n = struct.unpack_from("<II", buf, 0)
-    if a != alphabet or len(buf) < 8 + 4 * a:
-        raise ContainerError("ans: bad stream header")
-    counts = np.frombuffer(buf, np.uint32, a, 8)
-    if n == 0:
-        return np.zeros(0, np.uint8)
-    if int(counts.sum(dtype=np.int64)) != n:
-        raise ContainerError("ans: symbol counts do not add up")
-    words = np.frombuffer(buf[8 + 4 * a:], np.uint32)
-    model = constriction.stream.model.Categorical(counts / counts.sum(dtype=np.float64), perfect=False)
-    try:
-        out = constriction.stream.stack.AnsCoder(words.copy()).decode(model, n)
-    except Exception as e:
-        raise ContainerError(f"ans: cannot decode stream: {e}") from e
-    return out.astype(np.uint8)
+    def _d(self, b, size):
+        return bounded.lz4(b, size)
 
 
 @register(Codec)
@@ -209,25 +197,25 @@ class Ans(Codec):
 
     def encode(self, s):
         if s.bits:
-            return _ans_encode(s.data.ravel(), 1 << s.bits)
-        parts = [_ans_encode(p, 256) for p in planes(s.data)]
+            return rans.encode(s.data.ravel(), 1 << s.bits)
+        parts = [rans.encode(p, 256) for p in planes(s.data)]
         return b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
     def decode(self, data, dtype, shape, bits, bf16):
-        buf = memoryview(data)
-        try:
-            if bits:
-                out = _ans_decode(buf, 1 << bits)
-                return out.reshape(shape)
-            ps, off = [], 0
-            for _ in range(dtype.itemsize):
-                (k,) = struct.unpack_from("<I", buf, off)
-                ps.append(_ans_decode(buf[off + 4: off + 4 + k], 256))
-                off += 4 + k
-        except struct.error as e:
-            raise ContainerError(f"ans: truncated stream: {e}") from e
-        if off != len(buf) or any(p.size != _n(shape) for p in ps):
-            raise ContainerError("ans: stream length mismatch")
+        buf, n = memoryview(data), _n(shape)
+        if bits:
+            return rans.decode(buf, 1 << bits, n).reshape(shape)
+        ps, off = [], 0
+        for i in range(dtype.itemsize):
+            if off + 4 > len(buf):
+                raise ContainerError(f"ans: byte plane {i} of {dtype.itemsize}: stream truncated at {len(buf)} bytes")
+            (k,) = struct.unpack_from("<I", buf, off)
+            if k > len(buf) - off - 4:
+                raise ContainerError(f"ans: byte plane {i} claims {k} bytes, {len(buf) - off - 4} left")
+            ps.append(rans.decode(buf[off + 4: off + 4 + k], 256, n))
+            off += 4 + k
+        if off != len(buf):
+            raise ContainerError(f"ans: {len(buf) - off} bytes after the last byte plane")
         return unplanes(np.stack(ps), dtype).reshape(shape)
 
 
@@ -262,35 +250,76 @@ class ZipFusion(Pack):
             return super().decode(data, dtype, shape, bits, bf16)
         import torch
         from kvtide.cache import zipformat
+        n = _n(shape)
+        padded = n + (-n) % self.bs
+        fields = _deserialise(data)
+        for k, want in (("block_size", self.bs), ("version", self.v)):
+            if k in fields and fields[k] != want:
+                raise ContainerError(f"zipf: stream {k} {fields[k]}, expected {want} (the spec's)")
+        if "shape" in fields and (not isinstance(fields["shape"], tuple) or math.prod(fields["shape"]) != padded):
+            raise ContainerError(f"zipf: stream shape {fields['shape']}, expected {padded} values")
         try:
-            x = zipformat.decode(_deserialise(data, zipformat))
+            x = zipformat.decode(zipformat.Encoded(**fields))
         except ContainerError:
             raise
         except Exception as e:
             raise ContainerError(f"zipf: cannot decode stream: {e}") from e
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.numel() != padded:
+            got = f"{x.numel()} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ContainerError(f"zipf: stream decodes to {got} values, expected {padded} bfloat16")
         out = x.contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
-        n = _n(shape)
-        if out.size != n + (-n) % self.bs:
-            raise ContainerError("zipf: stream length mismatch")
         return out[:n].reshape(shape).copy()
 
 
+# ZipFusion streams: b"S" + a safetensors file of the Encoded dataclass's fields (tensors as they are, ints and
+# int tuples as int64 tensors), so decoding is bounded by the stream's bytes and runs no pickle.
+_ZIPF_TAG = b"S"
+_ZIPF_TENSOR_DTYPES = ("uint8", "int16", "int32", "int64")
+
+
 def _serialise(e: Any) -> bytes:
-    """Use the format's own bytes if it has them, else its dataclass fields through a weights-only torch file."""
-    if hasattr(e, "to_bytes"):
-        return b"B" + e.to_bytes()
-    import dataclasses
+    import safetensors.torch
     import torch
-    buf = io.BytesIO()
-    torch.save({f.name: getattr(e, f.name) for f in dataclasses.fields(e)}, buf)
-    return b"F" + buf.getvalue()
+    tensors: dict[str, torch.Tensor] = {}
+    for f in dataclasses.fields(e):
+        v = getattr(e, f.name)
+        if isinstance(v, torch.Tensor):
+            tensors["tensor." + f.name] = v.detach().cpu().contiguous()
+        elif isinstance(v, int) and not isinstance(v, bool):
+            tensors["int." + f.name] = torch.tensor(v, dtype=torch.int64)
+        elif isinstance(v, tuple) and all(isinstance(x, int) for x in v):
+            tensors["tuple." + f.name] = torch.tensor(list(v), dtype=torch.int64)
+        else:
+            raise TypeError(f"zipf: cannot serialise field {f.name} of type {type(v).__name__}")
+    return _ZIPF_TAG + safetensors.torch.save(tensors)
 
 
-def _deserialise(data: bytes, zipformat: Any) -> Any:
+def _deserialise(data: bytes) -> dict[str, Any]:
+    """The Encoded fields of a ZipFusion stream; ContainerError on anything else."""
     tag, body = data[:1], data[1:]
-    if tag == b"B" and hasattr(zipformat.Encoded, "from_bytes"):
-        return zipformat.Encoded.from_bytes(body)
-    if tag == b"F":
-        import torch
-        return zipformat.Encoded(**torch.load(io.BytesIO(body), weights_only=True))
-    raise ContainerError("zipf: unknown stream encoding")
+    if tag != _ZIPF_TAG:
+        raise ContainerError(f"zipf: stream encoding {tag!r}, expected {_ZIPF_TAG!r}")
+    import safetensors.torch
+    import torch
+    try:
+        tensors = safetensors.torch.load(bytes(body))
+    except Exception as e:
+        raise ContainerError(f"zipf: bad stream: {e}") from e
+    except BaseException as e:  # a Rust panic surfaces as pyo3's PanicException
+        if type(e).__name__ != "PanicException":
+            raise
+        raise ContainerError(f"zipf: bad stream: {e}") from e
+    fields: dict[str, Any] = {}
+    for key, t in tensors.items():
+        kind, _, name = key.partition(".")
+        if str(t.dtype).removeprefix("torch.") not in _ZIPF_TENSOR_DTYPES:
+            raise ContainerError(f"zipf: field {key!r} has dtype {t.dtype}, expected one of {_ZIPF_TENSOR_DTYPES}")
+        if kind == "tensor":
+            fields[name] = t
+        elif kind == "int" and t.dtype == torch.int64 and t.dim() == 0:
+            fields[name] = int(t.item())
+        elif kind == "tuple" and t.dtype == torch.int64 and t.dim() == 1 and t.numel() <= 8:
+            fields[name] = tuple(int(x) for x in t.tolist())
+        else:
+            raise ContainerError(f"zipf: field {key!r} ({t.dtype}, shape {list(t.shape)}) is not a stream field")
+    return fields

@@ -11,23 +11,33 @@ Layout (little-endian)::
     ..     payload: every stream's coded bytes, in header order (n bytes each)
     -4  4  CRC-32 of everything before it
 
-Anything that does not parse, or whose checksum or lengths disagree, raises ContainerError.
+Parsing is bounded: the header is at most ``MAX_HEADER_BYTES``, every field has an exact type (ints are
+JSON integers, no NaN/Infinity, no duplicate keys), shapes have at most ``MAX_NDIM`` non-negative dims, a
+stream holds at most as many values as its entry, and all entries together at most ``max_values`` values
+(default ``MAX_VALUES``), checked before anything is decoded. Anything that does not parse, or whose
+checksum, lengths or types disagree, raises ContainerError naming the field.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from .errors import ContainerError
 
 MAGIC = b"KVTX"
 VERSION = 1
 _HEAD = struct.Struct("<4sBBI")
+
+MAX_VALUES = 1 << 30  # values (BF16: 2 GiB) all entries of one container may declare, unless the caller says otherwise
+MAX_HEADER_BYTES = 16 << 20
+MAX_NDIM = 8
+MAX_DIM = 1 << 48
+MAX_STREAMS = 1024  # per entry (a quantizer writes at most 4 per K|V and bit class)
+STREAM_DTYPES = ("|u1", "<u2", "<f2", "<f4")  # numpy dtype strings the stages write
 
 
 @dataclass
@@ -59,17 +69,23 @@ def pack(spec: str, entries: list[Entry]) -> bytes:
             for e in entries
         ],
     }
-    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     parts = [_HEAD.pack(MAGIC, VERSION, 0, len(hb)), hb]
     parts += [s.payload for e in entries for s in e.streams]
     body = b"".join(parts)
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def unpack(blob: bytes | bytearray | memoryview) -> tuple[str, list[Entry]]:
+def unpack(blob: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> tuple[str, list[Entry]]:
+    """Parse and check a container; ``max_values`` bounds the values all its entries may declare."""
+    if isinstance(max_values, bool) or not isinstance(max_values, int) or max_values < 0:
+        raise ValueError(f"max_values must be an int >= 0, got {max_values!r}")
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise ContainerError(f"blob must be bytes, got {type(blob).__name__}")
-    b = memoryview(blob)
+    try:
+        b = memoryview(blob).cast("B")
+    except TypeError as ex:
+        raise ContainerError(f"blob must be a contiguous byte buffer: {ex}") from ex
     if len(b) < _HEAD.size + 4:
         raise ContainerError(f"blob too short ({len(b)} bytes) to be a kvtide transfer container")
     magic, version, flags, hlen = _HEAD.unpack_from(b, 0)
@@ -80,28 +96,103 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[str, list[Entry]]:
     (crc,) = struct.unpack_from("<I", b, len(b) - 4)
     if zlib.crc32(b[:-4]) != crc:
         raise ContainerError("checksum mismatch: blob damaged or truncated")
-    if flags != 0 or _HEAD.size + hlen > len(b) - 4:
-        raise ContainerError("bad container header")
+    if flags != 0:
+        raise ContainerError(f"container flags: expected 0, got {flags}")
+    if hlen > MAX_HEADER_BYTES or _HEAD.size + hlen > len(b) - 4:
+        raise ContainerError(f"header length {hlen}: expected at most {min(MAX_HEADER_BYTES, len(b) - 4 - _HEAD.size)}")
+    header = _load_json(bytes(b[_HEAD.size: _HEAD.size + hlen]))
+    spec, raw_entries = _fields(header, "header", {"spec": str, "entries": list})
+    if not raw_entries:
+        raise ContainerError("header.entries: expected at least one entry, got none")
+    off, end, total = _HEAD.size + hlen, len(b) - 4, 0
+    entries: list[Entry] = []
+    for i, e in enumerate(raw_entries):
+        entry, off = _entry(e, f"entries[{i}]", b, off, end)
+        total += math.prod(entry.shape)
+        if total > max_values:
+            raise ContainerError(f"entries[0..{i}] declare {total} values, more than max_values={max_values}")
+        entries.append(entry)
+    if off != end:
+        raise ContainerError(f"{end - off} unaccounted payload bytes")
+    keys = [e.key for e in entries]
+    if len(set(keys)) != len(keys) or (None in keys and len(keys) > 1):
+        shown = [k if k is None else k[:40] for k in keys[:8]]
+        raise ContainerError(f"entry keys must be distinct (and null only for a single entry), got {shown}")
+    return spec, entries
+
+
+def _entry(e: Any, where: str, b: memoryview, off: int, end: int) -> tuple[Entry, int]:
+    key, shape, dtype, meta, streams = _fields(
+        e, where, {"key": (str, type(None)), "shape": list, "dtype": str, "meta": dict, "streams": list})
+    shape = _shape(shape, f"{where}.shape")
+    if len(streams) > MAX_STREAMS:
+        raise ContainerError(f"{where}.streams: expected at most {MAX_STREAMS}, got {len(streams)}")
+    numel = math.prod(shape)
+    recs, names = [], set()
+    for j, s in enumerate(streams):
+        w = f"{where}.streams[{j}]"
+        name, sdt, sshape, bits, bf16, n = _fields(s, w, {"name": str, "dtype": str, "shape": list,
+                                                          "bits": (int, type(None)), "bf16": bool, "n": int})
+        sshape = _shape(sshape, f"{w}.shape")
+        if name in names:
+            raise ContainerError(f"{w}.name: {name!r} repeats an earlier stream")
+        names.add(name)
+        if sdt not in STREAM_DTYPES:
+            raise ContainerError(f"{w}.dtype: expected one of {STREAM_DTYPES}, got {sdt[:40]!r}")
+        if bits is not None and (not 1 <= bits <= 8 or sdt != "|u1"):
+            raise ContainerError(f"{w}.bits: expected 1..8 on a '|u1' stream, got {bits} on {sdt!r}")
+        if bf16 and (sdt != "<u2" or bits is not None):
+            raise ContainerError(f"{w}.bf16: expected only on a '<u2' stream without bits, got {sdt!r} bits={bits}")
+        if math.prod(sshape) > numel:
+            raise ContainerError(f"{w}.shape: {list(sshape)} holds more values than its entry {list(shape)}")
+        if not 0 <= n <= end - off:
+            raise ContainerError(f"{w}.n: {n} bytes run past the end of the blob ({end - off} left)")
+        recs.append(StreamRecord(name, sdt, sshape, bits, bf16, bytes(b[off: off + n])))
+        off += n
+    return Entry(key, shape, dtype, meta, recs), off
+
+
+def _load_json(raw: bytes) -> Any:
+    def no_constant(name: str) -> Any:
+        raise ContainerError(f"header: {name} is not allowed")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            raise ContainerError(f"header: repeated key in object with keys {[k for k, _ in pairs][:8]}")
+        return d
+
     try:
-        header = json.loads(bytes(b[_HEAD.size: _HEAD.size + hlen]))
-        off = _HEAD.size + hlen
-        entries = []
-        for e in header["entries"]:
-            recs = []
-            for s in e["streams"]:
-                n = int(s["n"])
-                if n < 0 or off + n > len(b) - 4:
-                    raise ContainerError("stream runs past the end of the blob")
-                np.dtype(s["dtype"])  # validates
-                recs.append(StreamRecord(str(s["name"]), str(s["dtype"]), tuple(int(x) for x in s["shape"]),
-                                         s["bits"], bool(s["bf16"]), bytes(b[off: off + n])))
-                off += n
-            entries.append(Entry(e["key"], tuple(int(x) for x in e["shape"]), str(e["dtype"]), dict(e["meta"]), recs))
-        spec = str(header["spec"])
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constant, object_pairs_hook=no_duplicates)
     except ContainerError:
         raise
-    except (KeyError, TypeError, ValueError) as ex:
-        raise ContainerError(f"malformed container header: {ex}") from ex
-    if off != len(b) - 4:
-        raise ContainerError(f"{len(b) - 4 - off} unaccounted payload bytes")
-    return spec, entries
+    except RecursionError as ex:
+        raise ContainerError("header: JSON nested too deeply") from ex
+    except ValueError as ex:  # UnicodeDecodeError, JSONDecodeError, over-long integer literals
+        raise ContainerError(f"header: not valid JSON ({str(ex)[:120]})") from ex
+
+
+def _fields(obj: Any, where: str, spec: dict[str, type | tuple[type, ...]]) -> list[Any]:
+    """The values of exactly the keys of ``spec``, each of its type (bool is not an int here)."""
+    if not isinstance(obj, dict):
+        raise ContainerError(f"{where}: expected an object, got {type(obj).__name__}")
+    if set(obj) != set(spec):
+        raise ContainerError(f"{where}: expected keys {sorted(spec)}, got {sorted(obj)[:12]}")
+    out = []
+    for k, t in spec.items():
+        v = obj[k]
+        ts = t if isinstance(t, tuple) else (t,)
+        if not isinstance(v, ts) or (isinstance(v, bool) and bool not in ts):
+            names = " or ".join("null" if x is type(None) else x.__name__ for x in ts)
+            raise ContainerError(f"{where}.{k}: expected {names}, got {type(v).__name__}")
+        out.append(v)
+    return out
+
+
+def _shape(dims: list[Any], where: str) -> tuple[int, ...]:
+    if len(dims) > MAX_NDIM:
+        raise ContainerError(f"{where}: expected at most {MAX_NDIM} dims, got {len(dims)}")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DIM:
+            raise ContainerError(f"{where}: expected ints in [0, 2**48], got {repr(d)[:40]}")
+    return tuple(dims)

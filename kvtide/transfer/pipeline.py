@@ -4,6 +4,10 @@
 (or a dict of such), and returns a self-describing blob (see container.py); ``decode`` inverts it.
 Lossless pipelines (transform and quantizer ``none``) are bit-exact; for the others ``error_bound(blob)``
 states the max abs error, before the final rounding to BF16 (<= 2^-8 |x| more).
+
+Decoding treats the blob as untrusted: ``max_values`` bounds the values its entries may declare (default
+``container.MAX_VALUES``; pass what you expect), each entry's streams are checked against the stages
+(layout.py) before any is decoded, and every failure is a ContainerError.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ import torch
 
 from . import codecs, quantizers, transforms  # noqa: F401  (registers the stages)
 from .codecs import Codec
-from .container import Entry, StreamRecord, pack, unpack
-from .errors import ContainerError
+from .container import MAX_VALUES, Entry, StreamRecord, pack, unpack
+from .errors import ContainerError, SpecError
+from .layout import check_entry
 from .quantizers import Quantizer
 from .spec import format_spec, parse_spec
 from .stage import Stream
@@ -97,10 +102,14 @@ class Pipeline:
         return Entry(key, tuple(kv.shape), "bfloat16", {"q": qmeta}, recs)
 
     # --- decode ----------------------------------------------------------------------------------------------
-    def _entries(self, blob: bytes) -> list[Entry]:
-        spec, entries = unpack(blob)
+    def _entries(self, blob: bytes, max_values: int = MAX_VALUES) -> list[Entry]:
+        return self._checked(*unpack(blob, max_values))
+
+    def _checked(self, spec: str, entries: list[Entry]) -> list[Entry]:
         if spec != self.to_spec():
-            raise ContainerError(f"blob was encoded with {spec!r}, not {self.to_spec()!r} (use transfer.decode)")
+            raise ContainerError(f"blob was encoded with {spec[:200]!r}, not {self.to_spec()!r} (use transfer.decode)")
+        for e in entries:
+            check_entry(self, e)
         return entries
 
     def _arrays(self, e: Entry) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -122,38 +131,53 @@ class Pipeline:
             x = self.transform.decode(y, t)
         except ContainerError:
             raise
-        except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as ex:
+        except _INCONSISTENT as ex:
             raise ContainerError(f"blob content inconsistent with its spec: {ex}") from ex
         if tuple(x.shape) != e.shape:
             raise ContainerError(f"decoded shape {tuple(x.shape)} != recorded {e.shape}")
         return x.to(torch.bfloat16), mask
 
-    def decode_with_mask(self, blob: bytes) -> tuple[KV, Any]:
+    def decode_with_mask(self, blob: bytes, max_values: int = MAX_VALUES) -> tuple[KV, Any]:
         """Also return the kept-token mask [layers, 2, tokens, kv_heads] (None without pruning): pruned
         positions decode as zeros and the attention must skip them."""
-        entries = self._entries(blob)
+        return self._decode_entries(self._entries(blob, max_values))
+
+    def _decode_entries(self, entries: list[Entry]) -> tuple[KV, Any]:
         outs = [self._decode_one(e) for e in entries]
         if len(entries) == 1 and entries[0].key is None:
             return outs[0]
         return {e.key: o[0] for e, o in zip(entries, outs)}, {e.key: o[1] for e, o in zip(entries, outs)}
 
-    def decode(self, blob: bytes) -> KV:
-        return self.decode_with_mask(blob)[0]
+    def decode(self, blob: bytes, max_values: int = MAX_VALUES) -> KV:
+        return self.decode_with_mask(blob, max_values)[0]
 
-    def error_bound(self, blob: bytes) -> float:
+    def error_bound(self, blob: bytes, max_values: int = MAX_VALUES) -> float:
         """Max abs error of decode (kept positions) against the input, before the final BF16 rounding."""
         worst = 0.0
-        for e in self._entries(blob):
-            t, q = self._arrays(e)
-            qb = self.quantizer.bound(q, e.meta["q"], e.shape)
-            worst = max(worst, qb * self.transform.gain(e.shape, t) if qb else 0.0)
+        for e in self._entries(blob, max_values):
+            try:
+                t, q = self._arrays(e)
+                qb = self.quantizer.bound(q, e.meta["q"], e.shape)
+                worst = max(worst, qb * self.transform.gain(e.shape, t) if qb else 0.0)
+            except ContainerError:
+                raise
+            except _INCONSISTENT as ex:
+                raise ContainerError(f"blob content inconsistent with its spec: {ex}") from ex
         return worst
 
 
-def decode(blob: bytes) -> KV:
+# what stages raise on content the layout checks let through (ArithmeticError: OverflowError and the like)
+_INCONSISTENT = (KeyError, ValueError, RuntimeError, IndexError, TypeError, ArithmeticError)
+
+
+def decode(blob: bytes, max_values: int = MAX_VALUES) -> KV:
     """Decode any container with the pipeline named inside it."""
-    spec, _ = unpack(blob)
-    return Pipeline(spec).decode(blob)
+    spec, entries = unpack(blob, max_values)
+    try:
+        p = Pipeline(spec)
+    except SpecError as ex:
+        raise ContainerError(f"blob names an invalid pipeline spec {spec[:200]!r}: {ex}") from ex
+    return p._decode_entries(p._checked(spec, entries))[0]
 
 
 def compressed_ratio(kv: KV, blob: bytes) -> float:

@@ -8,6 +8,7 @@ Grammar (whitespace around tokens is ignored)::
     value  := atom { "/" atom }                 # a "/"-list, e.g. b=8/4/2
     atom   := int | float | word                # word: [A-Za-z_][A-Za-z0-9_.-]*
     name, key := [a-z][a-z0-9_]*
+    (an atom is at most 64 characters)
 
 Example: ``hadamard|kivi:k=2,v=2,g=32,r=32|zstd:l=3``. The canonical form (``format_spec``) lists
 parameters in the stage's declared order and omits defaults, so equal pipelines have equal specs.
@@ -46,8 +47,13 @@ class StageSpec:
         return dict(self.params)
 
 
+_MAX_ATOM = 64  # characters; also keeps int() far from its digit limit
+
+
 def _parse_atom(text: str) -> Atom:
     t = text.strip()
+    if len(t) > _MAX_ATOM:
+        raise SpecError(f"value {t[:20]!r}... is longer than {_MAX_ATOM} characters")
     if _INT.match(t):
         return int(t)
     if _FLOAT.match(t):
