@@ -13,6 +13,12 @@
   one chunk to restore (up to ``max_batch`` of them, in queue order) are admitted with pages for their whole prompt,
   planned together (``method``: CacheFlow's DP or a baseline, same cost model), and run by the executor; each
   enters the running set with all its tokens computed and its first token sampled, and decodes normally.
+* Lookups are on the step's critical path, so they are bounded: a step's store lookups stop once they have taken
+  ``lookup_budget_s``; the requests not looked up stay in the queue, and the scheduler prefills them this step as
+  usual (recompute: correct, only slower; counted as ``lookups_deferred``). A lookup the tier does not answer (timed
+  out, down, skipped by its circuit breaker) sends its request to plain prefill (``lookup_failures``). Waiting for a
+  prefix's own queued writes takes at most ``store_timeout_s`` a step. A step's lookups so cost at most the budget
+  plus one store timeout for the operation in flight plus that write wait.
 * The latency profile F(t) learns from the prefills the engine runs anyway (single-request prefills from
   position 0) and from the executor's own per-layer recompute; load bandwidth from the executor's loads.
 * A load that fails is recomputed by the executor (counted here and in the store's stats); an unexpected error
@@ -34,8 +40,11 @@ from ..restore.executor import LoadConfig, RestoreExecutor, RestoreJob, RestoreR
 from ..restore.methods import make_plan
 from ..restore.planner import Plan
 from ..restore.profile import LatencyProfile
+from ..models.fingerprint import config_fingerprint, model_fingerprint
+from ..store.auth import RecordAuth, resolve_secret
 from ..store.bandwidth import gbps
-from ..store.base import encode_record
+from ..store.base import StoreUnavailable, encode_record
+from ..store.breaker import present
 from ..store.factory import open_store
 from ..store.keys import ChunkKey, KeySpace, chunk_keys
 from ..store.writer import StoreWriter
@@ -71,13 +80,17 @@ class RestoreStats:
     fallbacks: int = 0  # requests whose failed loads were recomputed
     fallback_tokens: int = 0
     errors: int = 0  # restorations abandoned for a plain prefill
-    chunks_written: int = 0
+    chunks_queued: int = 0  # chunks handed to the writer
+    chunks_written: int = 0  # of those, stored whole (every layer entry); a failed write never counts
+    write_failures: int = 0  # queued chunks not stored: the tier failed or declined them, or a close deadline passed
     write_seconds: float = 0.0  # step-loop time spent queueing finished chunks for the store (copy-out launched)
     write_wait_seconds: float = 0.0  # step-loop time waiting for queued writes a lookup needed
     writes_dropped: int = 0  # chunks not queued: the writer held RestoreConfig.write_queue_bytes already
     chunks_spilled: int = 0  # of those, written when their device pages were evicted
     spill_missed: int = 0  # evicted chunks that could not be spilled (a page of them was already gone)
     lookups: int = 0
+    lookup_failures: int = 0  # lookups the tier did not answer (timeout, down, breaker open): plain prefill
+    lookups_deferred: int = 0  # requests not looked up: the step's lookup budget was spent (prefilled as usual)
 
 
 @dataclass
@@ -127,12 +140,17 @@ class Restorer:
         a = engine.model.args
         self.num_layers = a.num_layers
         self.chunk = cfg.chunk_tokens
-        self.store = open_store(cfg.store, cfg.memory_bytes, cfg.bandwidth_gbps)
-        self.keyspace = KeySpace(f"{engine.config.model}|{a.num_layers}x{a.hidden_size}x{a.num_kv_heads}x{a.head_dim}",
-                                 self.chunk, str(engine.config.cache.torch_kv_dtype).replace("torch.", ""))
+        self.store = open_store(cfg.store, cfg.memory_bytes, cfg.bandwidth_gbps, timeout_s=cfg.store_timeout_s,
+                                breaker_failures=cfg.breaker_failures, breaker_backoff_s=cfg.breaker_backoff_s)
+        self._unwritten: deque[str] = deque()  # keys of queued chunks the writer did not store (its thread appends)
+        self._lookup_seconds = 0.0  # store time of this step's lookups
+        self._write_wait_left = 0.0  # what this step may still wait for queued writes a lookup needs
+        self._configure_store(self.store)
+        self.keyspace = engine_keyspace(engine)
         probe = torch.zeros(2, self.chunk, a.num_kv_heads, a.head_dim, dtype=engine.config.cache.torch_kv_dtype)
         key = chunk_keys([0] * self.chunk, self.keyspace)[0]
-        record = len(encode_record(key, a.num_layers - 1, [0] * self.chunk, probe))  # exact, padding included
+        record = len(encode_record(key, a.num_layers - 1, [0] * self.chunk, probe,  # exact, padding included
+                                   store_token_ids=cfg.store_token_ids))
         self.plain_bytes_per_token = record / self.chunk
         self._written = (0, 0)  # (record bytes, entries) of ZipFusion entries by writers replaced by use_store
         self.profile = LatencyProfile()
@@ -157,6 +175,9 @@ class Restorer:
             self.writer.close()
             w = self.writer.stats
             self._written = (self._written[0] + w.zip_bytes, self._written[1] + w.zip_entries)
+        self._configure_store(store)
+        if writes is not None and writes is not store:
+            self._configure_store(writes)
         self.writer = self._new_writer(writes if writes is not None else store)
         self.store = store
         self._known.clear()
@@ -175,10 +196,32 @@ class Restorer:
                 return nbytes / (entries * self.chunk)
         return self.plain_bytes_per_token
 
+    def _configure_store(self, store: Any) -> None:
+        """This config's record settings (secret, token ids) on a store; a disk tier drops chunks missing layers."""
+        configure = getattr(store, "configure_records", None)
+        if configure is not None:
+            configure(self.cfg.secret, self.cfg.store_token_ids)
+        prune = getattr(getattr(store, "inner", store), "prune_incomplete", None)
+        if prune is not None:
+            prune(self.num_layers)
+
     def _new_writer(self, store: Any) -> StoreWriter | None:
         if not (self.cfg.write_on_finish or self.cfg.spill):
             return None
-        return StoreWriter(store, max_bytes=self.cfg.write_queue_bytes)
+        return StoreWriter(store, max_bytes=self.cfg.write_queue_bytes, flush_timeout=self.cfg.flush_timeout_s,
+                           on_chunk=self._on_chunk)
+
+    def _on_chunk(self, key: ChunkKey, written: bool) -> None:
+        """The writer's report (its thread): count the chunk; one not stored is forgotten, to be written again."""
+        if written:
+            self.stats.chunks_written += 1
+        else:
+            self.stats.write_failures += 1
+            self._unwritten.append(key.hex)
+
+    def _forget_unwritten(self) -> None:
+        while self._unwritten:
+            self._known.pop(self._unwritten.popleft(), None)
 
     # ---- bookkeeping hooks called by the engine ------------------------------------------------------
     def observe_step(self, batch: list[tuple[Sequence, int]], seconds: float) -> None:
@@ -193,6 +236,7 @@ class Restorer:
         """Queue the finished request's full chunks (prompt + output) for the store."""
         if self.writer is None or not self.cfg.write_on_finish:
             return
+        self._forget_unwritten()
         C, p = self.chunk, self.engine.block_manager.page_size
         n = min(seq.num_computed_tokens, len(seq.pages) * p) // C * C
         if n == 0:
@@ -227,7 +271,7 @@ class Restorer:
         for k, (key, toks, _) in enumerate(todo):
             self.writer.submit(key, toks, per_chunk[k], ready)
             self._remember(key)
-            self.stats.chunks_written += 1
+            self.stats.chunks_queued += 1
         self.stats.write_seconds += time.perf_counter() - t0
 
     # ---- spill on evict ----------------------------------------------------------------------------------
@@ -239,6 +283,7 @@ class Restorer:
         n = len(hashes or ()) * p // C * C
         if self.writer is None or n == 0:
             return
+        self._forget_unwritten()
         ids = seq.token_ids
         for key in chunk_keys(ids[:n], self.keyspace):
             if key.hex in self._known:
@@ -301,24 +346,37 @@ class Restorer:
 
     # ---- finding restorable requests ------------------------------------------------------------------
     def _present(self, key: ChunkKey) -> bool:
-        return self.store.contains(key, self.num_layers - 1)  # the writer stores layers in order
+        """Whether the store holds the chunk (its last layer: the writer stores layers in order); StoreUnavailable
+        when the tier gives no answer. Its time counts against the step's lookup budget."""
+        t0 = time.perf_counter()
+        try:
+            return present(self.store, key, self.num_layers - 1)
+        finally:
+            self._lookup_seconds += time.perf_counter() - t0
+
+    def _budget_spent(self) -> bool:
+        budget = self.cfg.lookup_budget_s
+        return budget is not None and self._lookup_seconds >= budget
 
     def _write_needed(self, keys: list[ChunkKey]) -> None:
         """Chunks of this prefix still queued for the store (a request that finished moments ago) are written
         first and waited for, only those: written in a moment, rather than recomputed; the rest of the queue
-        stays behind them. Only the run of chunks a lookup can reach (present or queued) is waited for."""
-        if self.writer is None or not self.writer.has_pending():
+        stays behind them. Only the run of chunks a lookup can reach (present or queued) is waited for, and a step
+        waits at most ``store_timeout_s`` in all (a slow tier's writes are not waited out: those chunks miss)."""
+        if self.writer is None or not self.writer.has_pending() or self._write_wait_left <= 0:
             return
         want = []
         for k in keys:
             if self.writer.pending(k):
                 want.append(k)
-            elif not self._present(k):
+            elif self._budget_spent() or not self._present(k):
                 break
         if want:
             t0 = time.perf_counter()
-            self.writer.wait_for(want)
-            self.stats.write_wait_seconds += time.perf_counter() - t0
+            self.writer.wait_for(want, timeout=self._write_wait_left)
+            dt = time.perf_counter() - t0
+            self._write_wait_left -= dt
+            self.stats.write_wait_seconds += dt
 
     def candidate(self, seq: Sequence) -> tuple[list[int], int, int, list[ChunkKey]] | None:
         """(device hits kept, start, cached, chunk keys) when the store holds at least one chunk past the device."""
@@ -335,9 +393,14 @@ class Restorer:
         keys = chunk_keys(ids[:limit], self.keyspace)
         self.stats.lookups += 1
         end = start // C
-        self._write_needed(keys[end:])
-        while end < len(keys) and self._present(keys[end]):
-            end += 1
+        try:
+            self._write_needed(keys[end:])
+            # past the budget, the chunks found so far are restored
+            while end < len(keys) and not self._budget_spent() and self._present(keys[end]):
+                end += 1
+        except StoreUnavailable:  # no answer (timed out, down, breaker open): plain prefill
+            self.stats.lookup_failures += 1
+            return None
         cached = end * C
         if cached <= on_device:
             return None
@@ -348,11 +411,15 @@ class Restorer:
         """Restore what the head of the waiting queue allows; returns their first-token outputs."""
         sch, bm = self.engine.scheduler, self.engine.block_manager
         picked: list[tuple[Sequence, int, int, list[ChunkKey]]] = []
+        self._lookup_seconds, self._write_wait_left = 0.0, self.cfg.store_timeout_s
         # Scan past non-restorable requests too: the scheduler admits every waiting request that fits in this
         # same step, so restorable ones behind them would otherwise be prefilled from scratch.
         for seq in list(sch.waiting)[: 4 * self.cfg.max_batch]:
             if len(picked) >= self.cfg.max_batch or len(sch.running) + len(picked) >= sch.config.max_num_seqs:
                 break
+            if self._budget_spent():  # left to the scheduler: prefilled now if it fits, else looked up next step
+                self.stats.lookups_deferred += 1
+                continue
             cand = self.candidate(seq)
             if cand is None:
                 continue
@@ -417,7 +484,8 @@ class Restorer:
             steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
             load = LoadConfig(steal=steal, merge_layers=self.cfg.merge_load_layers, workers=self.cfg.load_workers,
                               read_ahead=self.cfg.load_read_ahead)
-            res = RestoreExecutor(port, self.store, self.chunk, load).run(jobs, profile=self.profile)
+            res = RestoreExecutor(port, self.store, self.chunk, load, kv_dtype=eng.config.cache.torch_kv_dtype).run(
+                jobs, profile=self.profile)
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
         if eng.runner.store is not None:  # compressed pool: compress the full pages just filled
@@ -514,6 +582,22 @@ def _build_zip_kernels(kv: torch.Tensor) -> None:
     sizes = zipblocks.block_sizes(desc, BLOCK_SIZE)
     zip_unpack.unpack(slots.reshape(-1), desc, sizes.cumsum(1) - sizes, BLOCK_SIZE)
     torch.cuda.synchronize(kv.device)
+
+
+def engine_keyspace(engine: "LLMEngine") -> KeySpace:
+    """The keys' root for this engine's KV: model and shapes, the weights' content, the model config, the compute
+    and KV dtypes, the chunk size, ``RestoreConfig.namespace`` and the store secret's salt (``kvtide.store.keys``)."""
+    cfg, a = engine.config.restore, engine.model.args
+    secret = resolve_secret(cfg.secret)
+    return KeySpace(
+        f"{engine.config.model}|{a.num_layers}x{a.hidden_size}x{a.num_kv_heads}x{a.head_dim}", cfg.chunk_tokens,
+        _dtype_name(engine.config.cache.torch_kv_dtype), weights=model_fingerprint(engine.model),
+        model_config=config_fingerprint(a), compute_dtype=_dtype_name(next(engine.model.parameters()).dtype),
+        namespace=cfg.namespace, salt=RecordAuth(secret).key_salt if secret is not None else b"")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def make_restorer(engine: "LLMEngine") -> Restorer | None:

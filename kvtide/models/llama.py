@@ -166,6 +166,9 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
+    # what ``load_model`` loaded, by content (``kvtide.models.fingerprint``); None: built otherwise
+    weights_fingerprint: str | None = None
+
     def __init__(self, args: ModelArgs, max_positions: int | None = None):
         super().__init__()
         self.args = args

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .convert import convert_gguf, ensure_converted
+from .fingerprint import weights_fingerprint
 from .llama import CausalLM, ModelArgs
 from .registry import BUNDLED, ModelNotFoundError, cache_root, get_bundled
 from .tokenizer import NullTokenizer, Tokenizer
@@ -88,15 +89,19 @@ def load_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtyp
 
     `random:<preset>` (e.g. random:llama3-8b) builds a model of that shape with random weights and no tokenizer,
     for GPU benchmarks at shapes whose weights are not reachable here.
+    The model's ``weights_fingerprint`` names its weights by content (``kvtide.models.fingerprint``).
     """
     if model.startswith("random:"):
         preset = model.split(":", 1)[1]
         if preset not in RANDOM_PRESETS:
             raise ModelNotFoundError(f"unknown random preset '{preset}' (known: {', '.join(RANDOM_PRESETS)})")
         args = RANDOM_PRESETS[preset]()
-        return build_model(args, None, device, dtype, max_positions or 32768), NullTokenizer(), model
+        net = build_model(args, None, device, dtype, max_positions or 32768)
+        net.weights_fingerprint = weights_fingerprint(model)
+        return net, NullTokenizer(), model
     directory = resolve_model_dir(model, progress)
     cfg = json.loads((directory / "config.json").read_text())
     args = ModelArgs.from_hf_config(cfg)
     net = build_model(args, load_state_dict(directory), device, dtype, max_positions)
+    net.weights_fingerprint = weights_fingerprint(model, directory)
     return net, Tokenizer(directory), str(directory)

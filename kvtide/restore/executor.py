@@ -50,6 +50,12 @@ Failures: any error on an entry (``StoreError`` or anything else the tier raises
 bad position m on are recomputed through every layer as a plain (chunked) prefill over positions
 [m, N + Ns): KV below m is complete in every layer (recomputed or verified loads), so this is exactly a
 prefill continuation. Garbage never reaches attention; the fallback is counted.
+An entry's own failure (missing, corrupt, forged, oversize, unreadable: the tier answered) costs that request only;
+the other requests of the batch keep loading. A tier-level failure (``StoreUnavailable``: the tier as a whole did not
+answer) marks the tier down for the rest of the restoration: every request's remaining loads are skipped (recorded,
+so each fallback starts low enough) instead of each paying the dead tier's timeout.
+Reads are bounded: every fetch carries ``max_bytes`` (``record_bytes_bound`` of a chunk's entry at the KV dtype), so
+a tier refuses an oversized entry unread, and every entry must hold ``kv_dtype`` (when known) and the port's shape.
 
 The executor talks to the model through ``ModelPort`` (run one layer over row segments, write K/V of given
 positions, logits) so it knows nothing of the engine's scheduler or page tables.
@@ -69,7 +75,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from kvtide.cache import zipblocks as zip_blocks
-from kvtide.store.base import ChunkCorrupt, token_array
+from kvtide.store.base import ChunkCorrupt, StoreUnavailable, record_bytes_bound, token_array
 from kvtide.store.zip_entry import BLOCK_SIZE as ZIP_BLOCK_SIZE
 from kvtide.store.zip_entry import ZipEntry
 from kvtide.store.keys import ChunkKey
@@ -244,6 +250,7 @@ class _Loads:
         self.cuda_events: list[Any] = [None] * num_layers
         self.failures: list[LoadFailure] = []
         self.failed_requests: set[int] = set()
+        self.tier_down = False  # a tier-level error (StoreUnavailable) was seen: no further loads
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.t_start = 0.0
@@ -261,13 +268,33 @@ class _Loads:
 class RestoreExecutor:
     """Executes staircases on a ``ModelPort`` with a store (``fetch``/``open``, or just ``get_entry``)."""
 
-    def __init__(self, port: ModelPort, store: Any, chunk: int, load: LoadConfig | None = None) -> None:
+    def __init__(self, port: ModelPort, store: Any, chunk: int, load: LoadConfig | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """``kv_dtype``: the dtype loaded entries must hold (the pages' KV dtype); None: any the store holds."""
         if chunk <= 0:
             raise ValueError(f"chunk must be > 0 tokens, got {chunk}")
         self.port = port
         self.store = store
         self.chunk = chunk
         self.load = load or LoadConfig()
+        self.kv_dtype = kv_dtype
+
+    def max_entry_bytes(self) -> int:
+        """The most bytes an entry of this port's shape can take (what a tier may read of one)."""
+        heads, dim = self.port.kv_entry_shape()
+        return record_bytes_bound((2, self.chunk, heads, dim), self.kv_dtype, self.chunk)
+
+    def _fetch(self, pairs: list) -> Any:
+        return self.store.fetch(pairs, max_bytes=self.max_entry_bytes())
+
+    def _check_entry(self, kv: Any, key: ChunkKey, layer: int, want: tuple[int, ...]) -> None:
+        """Shape (and dtype, when known) of a verified entry; ChunkCorrupt otherwise."""
+        if tuple(kv.shape) != want:
+            raise ChunkCorrupt(f"entry {key.entry_name(layer)} has shape {list(kv.shape)}, expected {list(want)}",
+                               key.entry_name(layer))
+        if self.kv_dtype is not None and kv.dtype != self.kv_dtype:
+            raise ChunkCorrupt(f"entry {key.entry_name(layer)} holds {kv.dtype}, the pages hold {self.kv_dtype}",
+                               key.entry_name(layer))
 
     # ------------------------------------------------------------------------------------- I/O side
     def _per_batch(self) -> int:
@@ -363,8 +390,10 @@ class RestoreExecutor:
                     return
 
     def _steal_one(self, jobs: Sequence[RestoreJob], st: _Loads, C: int, L: int, stream: Any) -> bool:
-        """Pick (under the lock) and load one chunk; False when nothing is left to take."""
+        """Pick (under the lock) and load one chunk; False when nothing is left to take (or the tier is down)."""
         with st.lock:
+            if st.tier_down:
+                return False
             best = None
             for r, job in enumerate(jobs):
                 if r in st.failed_requests:
@@ -381,7 +410,7 @@ class RestoreExecutor:
             j, i, r, new = best
             st.bounds[r][i] = new
             st.stolen += j - new
-        f = self.store.fetch([(jobs[r].keys[new // C], i)])
+        f = self._fetch([(jobs[r].keys[new // C], i)])
         self._place(jobs, [(i, [(r, new // C, new, j)])], f, st, None)
         if stream is not None:
             ev = torch.cuda.Event()
@@ -390,18 +419,18 @@ class RestoreExecutor:
         return True
 
     def _live(self, items: list[tuple[int, int, int, int]], layer: int, st: _Loads) -> list[tuple[int, int, int, int]]:
-        """Drop the items of requests whose tier is gone (recorded as skipped, so the fallback starts low enough)."""
-        out, skipped = [], set()
-        for it in items:
-            r = it[0]
-            if r in st.failed_requests and _skip_after_failure(st, r):
+        """Every item while the tier is up; none once it is down, each request's first skipped item of this layer
+        recorded (its lowest position here), so its fallback starts low enough."""
+        if not st.tier_down:
+            return items
+        skipped = set()
+        with st.lock:
+            for r, c, a, _ in items:
                 if r not in skipped:
                     skipped.add(r)
-                    with st.lock:
-                        st.failures.append(LoadFailure(r, layer, it[1], it[2], "Skipped", "tier unavailable"))
-                continue
-            out.append(it)
-        return out
+                    st.failures.append(LoadFailure(r, layer, c, a, "Skipped", "tier unavailable"))
+                    st.failed_requests.add(r)
+        return []
 
     def _pipelined(self, jobs: Sequence[RestoreJob], work: list, st: _Loads) -> Iterator[int]:
         """Fetch batch k+read_ahead while batch k is verified and placed; yields the layer of each placed piece
@@ -413,7 +442,7 @@ class RestoreExecutor:
         for group in work:
             segs = [(layer, self._live(items, layer, st)) for layer, items in group]
             pairs = [(jobs[r].keys[c], layer) for layer, items in segs for r, c, _, _ in items]
-            inflight.append((segs, self.store.fetch(pairs) if pairs else None))
+            inflight.append((segs, self._fetch(pairs) if pairs else None))
             while len(inflight) > ahead:
                 yield from self._place(jobs, *inflight.popleft(), st, pool)
         while inflight:
@@ -453,11 +482,10 @@ class RestoreExecutor:
                 return blob
             key = jobs[r].keys[c]
             try:
+                kw = {"dtype": self.kv_dtype} if self.kv_dtype is not None else {}
                 kv = self.store.open(blob, key, layer, st.token_ids[r][c * C:(c + 1) * C], copy=False,
-                                     decode=False).tensor
-                if tuple(kv.shape) != want:
-                    raise ChunkCorrupt(f"entry {key.entry_name(layer)} has shape {list(kv.shape)}, expected "
-                                       f"{list(want)}", key.entry_name(layer))
+                                     decode=False, **kw).tensor
+                self._check_entry(kv, key, layer, want)
                 if isinstance(kv, ZipEntry) and kv.block_size != ZIP_BLOCK_SIZE:  # one decode launch per fetch
                     raise ChunkCorrupt(f"entry {key.entry_name(layer)} has ZipFusion blocks of {kv.block_size}, this "
                                        f"loader decodes blocks of {ZIP_BLOCK_SIZE}", key.entry_name(layer))
@@ -471,9 +499,7 @@ class RestoreExecutor:
         for i, kv in enumerate(opened):
             layer, (r, c, a, b) = flat[i]
             if isinstance(kv, BaseException):
-                with st.lock:
-                    st.failures.append(LoadFailure(r, layer, c, a, type(kv).__name__, str(kv)[:200]))
-                    st.failed_requests.add(r)
+                _record_failure(st, r, layer, c, a, kv)
             else:
                 ok.append((i, kv))
         after = None
@@ -565,17 +591,13 @@ class RestoreExecutor:
             entry = self.store.get_entry(key, layer, job.token_ids[c * C:(c + 1) * C])
             kv = entry.tensor
             heads, dim = self.port.kv_entry_shape()
-            if tuple(kv.shape) != (2, C, heads, dim):
-                raise ChunkCorrupt(f"entry {key.entry_name(layer)} has shape {list(kv.shape)}, "
-                                   f"expected {[2, C, heads, dim]}", key.entry_name(layer))
+            self._check_entry(kv, key, layer, (2, C, heads, dim))
             kv = kv[:, a - c * C:b - c * C]
             if self.port.device.type == "cuda":
                 kv = kv.pin_memory().to(self.port.device, non_blocking=True)
             self.port.write_kv(layer, r, a, kv)
         except Exception as e:  # noqa: BLE001 - any failure of a tier means "recompute this", never garbage
-            with st.lock:
-                st.failures.append(LoadFailure(r, layer, c, a, type(e).__name__, str(e)[:200]))
-                st.failed_requests.add(r)
+            _record_failure(st, r, layer, c, a, e)
             return
         with st.lock:
             st.bytes += entry.nbytes
@@ -801,11 +823,14 @@ def _chunk_runs(items: list[tuple[int, tuple[int, int, int, int]]], shapes: list
     return runs
 
 
-def _skip_after_failure(st: _Loads, r: int) -> bool:
-    """Once a request failed, its later loads are wasted work only if the tier is gone (keep loading otherwise:
-    a single corrupt entry should cost only the tokens after it)."""
+def _record_failure(st: _Loads, r: int, layer: int, c: int, a: int, e: BaseException) -> None:
+    """Entry (request ``r``, ``layer``, chunk ``c`` from position ``a``) failed. Its request falls back; a tier-level
+    error (``StoreUnavailable``: the tier did not answer) also marks the tier down: no further loads from it."""
     with st.lock:
-        return any(f.request == r and f.error == "StoreUnavailable" for f in st.failures)
+        st.failures.append(LoadFailure(r, layer, c, a, type(e).__name__, str(e)[:200]))
+        st.failed_requests.add(r)
+        if isinstance(e, StoreUnavailable):
+            st.tier_down = True
 
 
 def _row_ends(lengths: Sequence[int]) -> list[int]:

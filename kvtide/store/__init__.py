@@ -3,8 +3,12 @@
 from kvtide.store.bandwidth import BandwidthLimitedStore, TokenBucket, gbps
 from kvtide.store.base import (
     ChunkCorrupt,
+    ChunkForged,
     ChunkMissing,
+    ChunkOversize,
     ChunkTruncated,
+    EntryUnreadable,
+    StoreFull,
     Entry,
     KVStore,
     StoreError,
@@ -13,6 +17,7 @@ from kvtide.store.base import (
     TokenMismatch,
     decode_record,
     encode_record,
+    record_bytes_bound,
 )
 from kvtide.store.disk import DiskStore
 from kvtide.store.keys import ChunkKey, KeySpace, chunk_keys, chunk_tokens
@@ -22,9 +27,13 @@ from kvtide.store.pinned import PinnedMemoryStore
 __all__ = [
     "BandwidthLimitedStore",
     "ChunkCorrupt",
+    "ChunkForged",
     "ChunkKey",
     "ChunkMissing",
+    "ChunkOversize",
     "ChunkTruncated",
+    "EntryUnreadable",
+    "StoreFull",
     "DiskStore",
     "Entry",
     "KVStore",
@@ -40,6 +49,7 @@ __all__ = [
     "chunk_tokens",
     "decode_record",
     "encode_record",
+    "record_bytes_bound",
     "gbps",
 ]
 

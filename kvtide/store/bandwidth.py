@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -80,41 +80,44 @@ class BandwidthLimitedStore:
     def stats(self) -> StoreStats:
         return self.inner.stats
 
+    def configure_records(self, secret: str | bytes | None = None, store_token_ids: bool = True) -> None:
+        self.inner.configure_records(secret, store_token_ids)
+
     def put(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor) -> int:
         n = self.inner.put(key, layer, tokens, kv)
         if self.throttle_writes:
             self.bucket.consume(n)
         return n
 
-    def get_entry(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray) -> Entry:
-        e = self.inner.get_entry(key, layer, tokens)
+    def get_entry(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, **kw: Any) -> Entry:
+        e = self.inner.get_entry(key, layer, tokens, **kw)
         self.bucket.consume(e.nbytes)
         return e
 
-    def get(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
-        return self.get_entry(key, layer, tokens).tensor
+    def get(self, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, **kw: Any) -> torch.Tensor:
+        return self.get_entry(key, layer, tokens, **kw).tensor
 
     def get_layers(
-        self, key: ChunkKey, layers: Iterable[int], tokens: Sequence[int] | np.ndarray
+        self, key: ChunkKey, layers: Iterable[int], tokens: Sequence[int] | np.ndarray, **kw: Any
     ) -> dict[int, torch.Tensor | StoreError]:
-        entries = self.inner.get_layer_entries(key, layers, tokens)
+        entries = self.inner.get_layer_entries(key, layers, tokens, **kw)
         n = sum(e.nbytes for e in entries.values() if isinstance(e, Entry))
         if n:
             self.bucket.consume(n)
         return {i: (e.tensor if isinstance(e, Entry) else e) for i, e in entries.items()}
 
-    def fetch(self, items: Sequence[tuple[ChunkKey, int]]) -> Fetched:
+    def fetch(self, items: Sequence[tuple[ChunkKey, int]], max_bytes: int | None = None) -> Fetched:
         """The inner tier's bytes, with ``ready_at`` when they are across the link (booked now, not waited for)."""
-        f = self.inner.fetch(items)
+        f = self.inner.fetch(items, max_bytes=max_bytes)
         if f.nbytes:
             f.ready_at = time.perf_counter() + self.bucket.reserve(f.nbytes)
         return f
 
     def open(
         self, blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, *, copy: bool = True,
-        decode: bool = True,
+        decode: bool = True, **kw: Any,
     ) -> Entry:
-        return self.inner.open(blob, key, layer, tokens, copy=copy, decode=decode)
+        return self.inner.open(blob, key, layer, tokens, copy=copy, decode=decode, **kw)
 
     def contains(self, key: ChunkKey, layer: int) -> bool:
         return self.inner.contains(key, layer)

@@ -1,20 +1,23 @@
 """Prefix-chunk keys: a chained hash, so a key names a chunk *and everything before it*.
 
-key_0 = H(root || tokens_0), key_c = H(key_{c-1} || tokens_c), root = H(model id, chunk size, dtype).
-Two prompts share key_c exactly when they share the first (c+1)*chunk tokens, under the same model and KV
-format; the stored record also keeps the chunk's own token ids, checked on every hit, so a hash collision
-or a mixed-up entry is caught instead of feeding wrong KV to attention.
+key_0 = H(root || tokens_0), key_c = H(key_{c-1} || tokens_c). The root binds the KV to everything that made it:
+the model id and shapes, a fingerprint of the weights' *content* (``kvtide.models.fingerprint``; never only a path),
+a hash of the model config, the compute dtype, the KV dtype, the chunk size, an optional namespace (a tenant), and
+a salt derived from the store secret (``RecordAuth.key_salt``: without the secret, entry names cannot be computed).
+Two prompts share key_c exactly when they share the first (c+1)*chunk tokens under all of these; the stored record
+also keeps the chunk's token ids (or their hash), checked on every hit, so a hash collision or a mixed-up entry is
+caught instead of feeding wrong KV to attention.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-KEY_VERSION = 1
+KEY_VERSION = 2
 DIGEST_BYTES = 16
 
 
@@ -36,11 +39,20 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 @dataclass(frozen=True)
 class KeySpace:
-    """What besides the tokens decides whether stored KV is reusable."""
+    """What besides the tokens decides whether stored KV is reusable.
+
+    ``dtype``: the KV dtype. ``weights``: a fingerprint of the weights' content; ``model_config``: a hash of the
+    model's arguments; ``compute_dtype``: the dtype the KV was computed in; ``namespace``: entries of one namespace
+    are never found from another (None: the shared one); ``salt``: secret-derived bytes (empty: no secret)."""
 
     model_id: str
     chunk_tokens: int
     dtype: str = "bfloat16"
+    weights: str = ""
+    model_config: str = ""
+    compute_dtype: str = ""
+    namespace: str | None = None
+    salt: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -49,11 +61,17 @@ class KeySpace:
             raise ValueError(f"chunk_tokens must be an int > 0, got {self.chunk_tokens!r}")
         if not self.dtype:
             raise ValueError("dtype must be non-empty")
+        if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
+            raise ValueError(f"namespace must be None or a non-empty string, got {self.namespace!r}")
+        if not isinstance(self.salt, bytes):
+            raise ValueError(f"salt must be bytes, got {type(self.salt).__name__}")
 
     @property
     def root(self) -> bytes:
+        ns = b"\x00" if self.namespace is None else b"\x01" + self.namespace.encode()  # None differs from every name
         return _h(b"root", str(KEY_VERSION).encode(), self.model_id.encode(), str(self.chunk_tokens).encode(),
-                  self.dtype.encode())
+                  self.dtype.encode(), self.weights.encode(), self.model_config.encode(), self.compute_dtype.encode(),
+                  ns, self.salt)
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,26 @@ import threading
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from kvtide.store.base import ChunkMissing, KVStore
+from kvtide.store.base import ChunkMissing, ChunkOversize, KVStore, StoreError
+
+
+def oversize(name: str, size: int, max_bytes: int | None) -> ChunkOversize | None:
+    """The error for an entry of ``size`` bytes read under ``max_bytes`` (None: it fits)."""
+    if max_bytes is not None and size > max_bytes:
+        return ChunkOversize(f"{name}: {size} bytes, more than the {max_bytes} a record of this shape takes", name)
+    return None
 
 
 class MemoryStore(KVStore):
     """LRU over entry bytes; a read refreshes recency."""
 
-    def __init__(self, capacity_bytes: int, drop_bad: bool = True) -> None:
+    shared_tier = False
+
+    def __init__(self, capacity_bytes: int, drop_bad: bool = True, **records: Any) -> None:
+        """``records``: ``secret``, ``store_token_ids`` (``KVStore.configure_records``)."""
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be an int > 0, got {capacity_bytes!r}")
-        super().__init__(drop_bad)
+        super().__init__(drop_bad, **records)
         self.capacity_bytes = capacity_bytes
         self._data: OrderedDict[str, bytes] = OrderedDict()
         self._used = 0
@@ -27,6 +37,7 @@ class MemoryStore(KVStore):
     def copy(self) -> "MemoryStore":
         """An independent store holding the same entries (a snapshot to replay a workload from)."""
         out = MemoryStore(self.capacity_bytes, self.drop_bad)
+        out.auth, out.store_token_ids = self.auth, self.store_token_ids
         with self._lock:
             out._data = self._data.copy()
             out._used = self._used
@@ -71,21 +82,28 @@ class MemoryStore(KVStore):
             self.stats.add(evictions=evicted)
         return True
 
-    def _read(self, name: str) -> bytes:
+    def _read(self, name: str, max_bytes: int | None = None) -> bytes:
         with self._lock:
             blob = self._data.get(name)
             if blob is None:
                 raise ChunkMissing(f"{name}: not in memory store", name)
+            err = oversize(name, len(blob), max_bytes)
+            if err is not None:
+                raise err
             self._data.move_to_end(name)
             return blob
 
-    def _read_many(self, names: Sequence[str]) -> list[bytes | None]:
+    def _read_many(self, names: Sequence[str], max_bytes: int | None = None) -> list[bytes | StoreError | None]:
         """One lock for a whole batch (the executor fetches a layer's chunks at once)."""
-        out: list[bytes | None] = []
+        out: list[bytes | StoreError | None] = []
         with self._lock:
             for n in names:
                 blob = self._data.get(n)
                 if blob is not None:
+                    err = oversize(n, len(blob), max_bytes)
+                    if err is not None:
+                        out.append(err)
+                        continue
                     self._data.move_to_end(n)
                 out.append(blob)
         return out

@@ -37,9 +37,11 @@ from kvtide.store.base import (
     ChunkMissing,
     Fetched,
     KVStore,
+    StoreError,
     encode_record,
 )
 from kvtide.store.keys import ChunkKey
+from kvtide.store.memory import oversize
 
 DEFAULT_SLAB_BYTES = 256 << 20
 
@@ -155,9 +157,12 @@ class _Lease:
 class PinnedMemoryStore(KVStore):
     """LRU over record bytes in (page-locked) slabs; ``fetch`` returns leased zero-copy views."""
 
+    shared_tier = False
+
     def __init__(self, capacity_bytes: int, drop_bad: bool = True, slab_bytes: int = DEFAULT_SLAB_BYTES,
-                 pin: bool | None = None) -> None:
-        super().__init__(drop_bad)
+                 pin: bool | None = None, **records: Any) -> None:
+        """``records``: ``secret``, ``store_token_ids`` (``KVStore.configure_records``)."""
+        super().__init__(drop_bad, **records)
         self.arena = SlabArena(capacity_bytes, slab_bytes, pin)
         self.capacity_bytes = capacity_bytes
         self._data: OrderedDict[str, _Rec] = OrderedDict()
@@ -180,8 +185,10 @@ class PinnedMemoryStore(KVStore):
 
     def copy(self) -> "PinnedMemoryStore":
         """An independent store holding the same entries (own slabs, only as many as they need)."""
-        return PinnedMemoryStore.filled_from(self, self.capacity_bytes, self.drop_bad, self.arena.slab_bytes,
-                                             self.arena.pin)
+        out = PinnedMemoryStore.filled_from(self, self.capacity_bytes, self.drop_bad, self.arena.slab_bytes,
+                                            self.arena.pin)
+        out.auth, out.store_token_ids = self.auth, self.store_token_ids
+        return out
 
     @classmethod
     def filled_from(cls, source: Any, capacity_bytes: int, drop_bad: bool = True,
@@ -212,7 +219,8 @@ class PinnedMemoryStore(KVStore):
             return self.arena.tensor(rec)
 
         try:
-            encode_record(key, layer, tokens, kv, alloc=alloc)
+            self._note_trust()
+            encode_record(key, layer, tokens, kv, alloc=alloc, auth=self.auth, store_token_ids=self.store_token_ids)
         except _NoRoom:
             self.stats.add(rejected=1)
             return 0
@@ -311,10 +319,10 @@ class PinnedMemoryStore(KVStore):
             return self._leases
 
     # ---- reads
-    def fetch(self, items: Sequence[tuple[ChunkKey, int]]) -> Fetched:
+    def fetch(self, items: Sequence[tuple[ChunkKey, int]], max_bytes: int | None = None) -> Fetched:
         """Zero-copy views of the entries, valid until ``release`` (also run when the result is collected)."""
         names = [k.entry_name(layer) for k, layer in items]
-        views: list[memoryview | None] = []
+        views: list[memoryview | StoreError | None] = []
         recs: list[_Rec] = []
         with self._lock:
             for n in names:
@@ -322,34 +330,43 @@ class PinnedMemoryStore(KVStore):
                 if rec is None:
                     views.append(None)
                     continue
+                err = oversize(n, rec.size, max_bytes)
+                if err is not None:
+                    views.append(err)
+                    continue
                 self._data.move_to_end(n)
                 rec.leases += 1
                 self._leases += 1
                 recs.append(rec)
                 views.append(self.arena.view(rec))
         lease = _Lease(self, recs)
-        f = self._fetched(names, views, lease=lease, pinned=self.arena.pin)
+        f = self._fetched(names, views, max_bytes, lease=lease, pinned=self.arena.pin)
         weakref.finalize(f, lease.orphan)  # a fetch dropped unplaced (an error upstream) gives its records back
         return f
 
-    def _read(self, name: str) -> bytes:
+    def _read(self, name: str, max_bytes: int | None = None) -> bytes:
         with self._lock:
             rec = self._data.get(name)
             if rec is None:
                 raise ChunkMissing(f"{name}: not in memory store", name)
+            err = oversize(name, rec.size, max_bytes)
+            if err is not None:
+                raise err
             self._data.move_to_end(name)
             return bytes(self.arena.view(rec))
 
-    def _read_many(self, names: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def _read_many(self, names: Sequence[str], max_bytes: int | None = None) -> list[bytes | StoreError | None]:
+        out: list[bytes | StoreError | None] = []
         with self._lock:
             for n in names:
                 rec = self._data.get(n)
-                if rec is not None:
+                if rec is None:
+                    out.append(None)
+                elif (err := oversize(n, rec.size, max_bytes)) is not None:
+                    out.append(err)
+                else:
                     self._data.move_to_end(n)
                     out.append(bytes(self.arena.view(rec)))
-                else:
-                    out.append(None)
         return out
 
     def _delete(self, name: str) -> None:

@@ -90,6 +90,12 @@ class ZipEntry:
         return bits.view(torch.bfloat16).reshape(self.shape)
 
 
+def max_payload_nbytes(numel: int, block_size: int = BLOCK_SIZE) -> int:
+    """The largest payload ``numel`` values can take in this format (every block raw): a reader's size bound."""
+    nb = -(-numel // block_size)
+    return _pad16(nb) + nb * zb.raw_nbytes(block_size)
+
+
 def check_payload(desc: np.ndarray, payload_len: int, numel: int, block_size: int) -> str | None:
     """Why a stored payload cannot be this format's (None when it can): descriptor count, values, total length."""
     if block_size <= 0 or block_size % 32:

@@ -115,8 +115,8 @@ class FailAfter:
             raise self.exc
         return self.inner.get_entry(key, layer, tokens)
 
-    def fetch(self, items):  # noqa: ANN001
-        f = self.inner.fetch(items)
+    def fetch(self, items, **kw):  # noqa: ANN001, ANN003
+        f = self.inner.fetch(items, **kw)
         for i in range(len(f.blobs)):
             self.calls += 1
             if self.calls > self.ok:

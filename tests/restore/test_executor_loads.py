@@ -379,9 +379,9 @@ def test_restore_config_read_ahead_reaches_the_executor(monkeypatch) -> None:
     seen: list[LoadConfig] = []
 
     class Spy(RestoreExecutor):
-        def __init__(self, port, store, chunk, load) -> None:  # noqa: ANN001
+        def __init__(self, port, store, chunk, load, **kw) -> None:  # noqa: ANN001, ANN003
             seen.append(load)
-            super().__init__(port, store, chunk, load)
+            super().__init__(port, store, chunk, load, **kw)
 
     monkeypatch.setattr(restoration, "RestoreExecutor", Spy)
     monkeypatch.setattr(llm.engine.restorer.cfg, "load_read_ahead", 3)

@@ -122,7 +122,7 @@ def test_written_records_are_xxh3_and_payload_aligned() -> None:
     kv = torch.randn(2, 16, 3, 64).bfloat16()
     rec = encode_record(KEY, 2, TOKENS, kv)
     _, version, _, meta_len, body_len, digest = struct.unpack_from("<4sHHIQ16s", rec)
-    assert version == RECORD_VERSION == 3
+    assert version == RECORD_VERSION == 4  # v4 without a secret: flags 0 and v3's XXH3 digest
     assert digest == xxhash.xxh3_128_intdigest(rec[HEADER_BYTES:]).to_bytes(16, "little")
     assert (HEADER_BYTES + meta_len + 4 * 16) % PAYLOAD_ALIGN == 0  # padded meta: aligned payload
 

@@ -15,6 +15,7 @@ from kvtide.store import (
     ChunkMissing,
     ChunkTruncated,
     DiskStore,
+    EntryUnreadable,
     KeySpace,
     KVStore,
     MemoryStore,
@@ -150,7 +151,14 @@ def test_disk_unreadable_root_is_unavailable(tmp_path: Path) -> None:
     s.put(KEYS[0], 0, toks(0), kv(0))
     target = s.path(KEYS[0].entry_name(0))
     target.unlink()
-    target.mkdir()  # reading a directory: an I/O error, not a miss
+    target.mkdir()  # reading a directory: this entry's own I/O error, not a miss, and not the tier's
+    with pytest.raises(EntryUnreadable):
+        s.get(KEYS[0], 0, toks(0))
+    assert s.stats.read_errors == 1 and s.stats.unavailable == 0
+    import shutil
+
+    shutil.rmtree(tmp_path / "kv")
+    (tmp_path / "kv").write_bytes(b"x")  # the store directory itself gone: the tier is unavailable
     with pytest.raises(StoreUnavailable):
         s.get(KEYS[0], 0, toks(0))
     assert s.stats.unavailable == 1
