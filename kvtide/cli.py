@@ -1,7 +1,8 @@
-"""The `kvtide` command: models, generate, chat, demo.
+"""The `kvtide` command: models, generate, chat, demo, serve, bench.
 
 Commands that build an engine resolve its config with `config_load` (flags > KVTIDE_* env > --config file >
-defaults); `--log-level` puts a stderr handler on the `kvtide` logger only.
+defaults); `serve` resolves the file's `server:` section (`kvtide.server.config.ServerConfig`) the same way.
+`--log-level` puts a stderr handler on the `kvtide` logger only (default warning; info for `serve`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ ENGINE_FLAGS: dict[str, str] = {
     "compress": "cache.compress", "num_pages": "cache.num_pages", "kv_cache_bytes": "cache.kv_cache_bytes",
     "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "max_model_len": "scheduler.max_model_len", "restore_store": "restore.store",
+}
+# serve flags -> server section keys (kvtide/server/config.py)
+SERVER_FLAGS: dict[str, str] = {
+    "host": "host", "port": "port", "served_model_name": "served_model_name",
+    "max_queued_requests": "max_queued_requests", "shutdown_timeout": "shutdown_timeout_s",
+    "max_request_bytes": "max_request_bytes", "log_stats_interval": "log_stats_interval_s",
 }
 
 
@@ -56,10 +63,21 @@ def _engine_overrides(a: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_engine_config(a: argparse.Namespace):
     """The `EngineConfig` of an engine subcommand: its flags over KVTIDE_* variables over --config over defaults."""
+    return resolve_settings(a).engine
+
+
+def resolve_settings(a: argparse.Namespace, server_type: type | None = None):
+    """`config_load.Settings` of an engine subcommand; with ``server_type`` the server section is resolved too
+    (the `SERVER_FLAGS` given over KVTIDE_SERVER_* over the file's `server:`)."""
     from .config_load import load_settings
 
     origins = {key: "--" + dest.replace("_", "-") for dest, key in ENGINE_FLAGS.items()}
-    return load_settings(_engine_overrides(a), file=a.config, origins=origins).engine
+    overrides = _engine_overrides(a)
+    if server_type is not None:
+        given = {key: getattr(a, dest) for dest, key in SERVER_FLAGS.items() if getattr(a, dest, None) is not None}
+        overrides["server"] = given
+        origins.update({f"server.{key}": "--" + dest.replace("_", "-") for dest, key in SERVER_FLAGS.items()})
+    return load_settings(overrides, file=a.config, origins=origins, server_type=server_type)
 
 
 def configure_logging(level: str) -> None:
@@ -173,6 +191,27 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(a)
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .server.serve import serve
+
+    return serve(a.settings, log_level=a.log_level)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model (same as --model)")
+    _engine_args(p)
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000; 0: any free port)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the model)")
+    p.add_argument("--max-queued-requests", type=int,
+                   help="requests accepted beyond --max-num-seqs before new ones get 503 (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    p.add_argument("--max-request-bytes", type=int, help="largest request body; larger ones get 413 (default 1 MiB)")
+    p.add_argument("--log-stats-interval", type=float, metavar="SECONDS",
+                   help="seconds between throughput log lines (0: off; default 10)")
+
+
 BENCH_SUITES = {"restore": "restore.py"}  # `kvtide bench NAME ...` runs bench/<file>'s main(argv)
 
 
@@ -192,7 +231,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtide", description="kvtide: a KV-cache layer for LLM serving")
-    ap.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="of the kvtide logger, on stderr")
+    ap.add_argument("--log-level", choices=LOG_LEVELS, default=None,
+                    help="of the kvtide logger, on stderr (default warning; info for serve)")
     common = argparse.ArgumentParser(add_help=False)  # --log-level after the command name works too
     common.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help="of the kvtide logger")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -220,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.set_defaults(fn=cmd_demo)
 
+    p = sub.add_parser("serve", parents=[common],
+                       help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
+    _serve_args(p)
+    p.set_defaults(fn=cmd_serve)
+
     p = sub.add_parser("bench", parents=[common],
                        help="benchmark suites (JSON + PNG under bench/results/); NAME --help for options")
     p.add_argument("suite", choices=sorted(BENCH_SUITES))
@@ -227,18 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_bench)
 
     a = ap.parse_args(argv)
+    if a.log_level is None:
+        a.log_level = "info" if a.cmd == "serve" else "warning"
     configure_logging(a.log_level)
     from .models.registry import ModelNotFoundError
 
     try:
         if hasattr(a, "print_config"):  # an engine subcommand
-            a.engine_config = resolve_engine_config(a)
+            shown = _resolve(a)
             if a.print_config:
                 import yaml
 
-                from .config_load import config_dict
-
-                sys.stdout.write(yaml.safe_dump(config_dict(a.engine_config), sort_keys=False))
+                sys.stdout.write(yaml.safe_dump(shown, sort_keys=False))
                 return 0
         return a.fn(a)
     except (ModelNotFoundError, ValueError, TypeError) as e:
@@ -246,6 +291,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _resolve(a: argparse.Namespace) -> dict[str, Any]:
+    """Resolve an engine subcommand's config onto ``a`` (``engine_config``; serve: ``settings`` too); returns it
+    as --print-config shows it."""
+    import dataclasses
+
+    from .config_load import config_dict
+
+    if a.cmd != "serve":
+        a.engine_config = resolve_engine_config(a)
+        return config_dict(a.engine_config)
+    from .server.config import ServerConfig
+
+    if a.model_arg is not None:
+        if a.model is not None and a.model != a.model_arg:
+            raise ValueError(f"two models given: {a.model_arg!r} and --model {a.model!r}")
+        a.model = a.model_arg
+    a.settings = resolve_settings(a, ServerConfig)
+    a.engine_config = a.settings.engine
+    return {**config_dict(a.engine_config), "server": dataclasses.asdict(a.settings.server)}
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..log import get_logger, warn_limited
 from ..restore.costs import BlockCost, ExecutorReplayTime, RestoreRequest
 from ..restore.executor import LoadConfig, RestoreExecutor, RestoreJob, RestoreResult
 from ..restore.methods import make_plan
@@ -52,6 +53,8 @@ from .chunk_reader import ChunkReader
 from .restore_port import EnginePort
 from .sampler import sample
 from .sequence import Sequence, Status
+
+log = get_logger("restore")
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine, RequestOutput
@@ -261,6 +264,8 @@ class Restorer:
                   * self.engine.config.cache.torch_kv_dtype.itemsize)
         if not self.writer.admit(nbytes):
             self.stats.writes_dropped += len(todo)
+            warn_limited(log, "restore-write-dropped", "store writer full (write_queue_bytes): %d finished chunks "
+                         "not written (%d so far)", len(todo), self.stats.writes_dropped)
             return
         t0 = time.perf_counter()
         if self._reader is None:
@@ -541,6 +546,10 @@ class Restorer:
         st.load_failures += len(res.failures)
         st.fallbacks += len(res.fallback_requests)
         st.fallback_tokens += res.fallback_tokens
+        if res.failures or res.fallback_requests:
+            warn_limited(log, "restore-fallback", "restoration: %d chunk loads failed, %d requests recomputed %d "
+                         "tokens instead (%s)", len(res.failures), len(res.fallback_requests), res.fallback_tokens,
+                         ", ".join(sorted({f.error for f in res.failures})) or "no loads failed")
         bad = {(f.request, f.chunk) for f in res.failures}
         for r, (_, _, _, keys) in enumerate(picked):
             for k in keys:
