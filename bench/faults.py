@@ -304,7 +304,7 @@ class Soak:
     def _entries(self, tier: str) -> list[tuple[str, object]]:
         """(entry name, handle) of the tier's entries: a path (disk) or a Redis key."""
         if tier == "disk":
-            return [(p.name[:-4], p) for p in self.disk.path.glob("*/*.kvt")]
+            return [(p.name[:-4], p) for p in (self.disk.path / "store").glob("*/*.kvt")]
         if self.redis.stopped:
             return []
         r = self.redis.client()

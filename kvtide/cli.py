@@ -192,8 +192,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .server.serve import serve
-
+    try:
+        from .server.serve import serve
+    except ModuleNotFoundError as e:
+        raise ValueError(f"kvtide serve needs {e.name}: pip install 'kvtide[serve]'") from None
     return serve(a.settings, log_level=a.log_level)
 
 

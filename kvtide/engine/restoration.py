@@ -401,11 +401,18 @@ class Restorer:
         try:
             self._write_needed(keys[end:])
             # past the budget, the chunks found so far are restored
-            while end < len(keys) and not self._budget_spent() and self._present(keys[end]):
+            missed = False
+            while end < len(keys) and not self._budget_spent():
+                if not self._present(keys[end]):
+                    missed = True
+                    break
                 end += 1
         except StoreUnavailable:  # no answer (timed out, down, breaker open): plain prefill
             self.stats.lookup_failures += 1
             return None
+        if missed:  # the tier lost what we wrote (evicted, expired, a restarted Redis): write these chunks again
+            for k in keys[end:]:
+                self._known.pop(k.hex, None)
         cached = end * C
         if cached <= on_device:
             return None

@@ -1,0 +1,49 @@
+"""`ServerConfig`: the ``server:`` section of a config file (``KVTIDE_SERVER_<FIELD>``, `kvtide serve` flags).
+
+Resolved by `kvtide.config_load.load_settings(..., server_type=ServerConfig)` like the engine's sections, so the
+precedence is the same everywhere: CLI flag > environment > file > default. Every bound on what a client may send
+lives here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the bound one is logged)
+    served_model_name: str | None = None  # the `model` clients must send; None: the engine's model name
+    # requests accepted beyond those the engine runs at once (scheduler.max_num_seqs); past it a request gets 503
+    # with Retry-After. Counts engine requests: a request with n=4 takes four.
+    max_queued_requests: int = 256
+    retry_after_s: int = 1  # the Retry-After of a 503
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long, then they are cut
+    max_request_bytes: int = 1 << 20  # request bodies beyond it get 413, unread
+    max_choices: int = 64  # engine requests one HTTP request may make (prompts x n)
+    log_stats_interval_s: float = 10.0  # the periodic throughput / cache log line (0: off)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"ServerConfig.host must be a non-empty string, got {self.host!r}")
+        _int(self, "port", 0, 65535)
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise ValueError(f"ServerConfig.served_model_name must be None or a non-empty string, "
+                             f"got {self.served_model_name!r}")
+        _int(self, "max_queued_requests", 0)
+        _int(self, "retry_after_s", 0)
+        _int(self, "max_request_bytes", 1024)
+        _int(self, "max_choices", 1)
+        for name in ("shutdown_timeout_s", "log_stats_interval_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"ServerConfig.{name} must be a finite number of seconds >= 0, got {v!r}")
+
+
+def _int(cfg: ServerConfig, name: str, low: int, high: int | None = None) -> None:
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"ServerConfig.{name} must be an integer {bound}, got {v!r}")
