@@ -157,3 +157,26 @@ def test_bad_backend_settings_name_the_field() -> None:
             RestoreConfig(**{field: bad})
     ok = RestoreConfig(lookup_budget_s=None, flush_timeout_s=None, breaker_failures=0)
     assert ok.lookup_budget_s is None and ok.breaker_failures == 0
+
+
+def test_chunks_a_tier_lost_are_written_again() -> None:
+    """A tier that lost entries (evicted, expired, a Redis restarted empty): the lookup's miss makes the restorer
+    forget it wrote them, so the request that prefilled them instead writes them back and the next one restores."""
+    llm = restore_llm()
+    fresh_store(llm)
+    r = llm.engine.restorer
+    a = text_ids(llm, 4000, 3 * CHUNK + 5)
+    first = llm.generate(a, greedy(2))[0]
+    assert r.writer.flush(timeout=30)
+    keys = chunk_keys(a + first.token_ids, r.keyspace)
+    assert keys and all(r.store.contains(k, r.num_layers - 1) for k in keys)
+    for k in keys:  # the tier loses everything behind the engine's back
+        for layer in range(r.num_layers):
+            r.store.delete(k, layer)
+    before = r.stats.restorations
+    assert llm.generate(a, greedy(2))[0].token_ids == first.token_ids  # a miss: plain prefill
+    assert r.stats.restorations == before
+    assert r.writer.flush(timeout=30)
+    assert all(r.store.contains(k, r.num_layers - 1) for k in keys), "lost chunks must be written again"
+    assert llm.generate(a, greedy(2))[0].token_ids == first.token_ids
+    assert r.stats.restorations == before + 1
