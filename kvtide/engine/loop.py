@@ -122,7 +122,7 @@ class EngineLoop:
         """End a request from any thread; applied before the next step (at once when no step is running)."""
         self._post(("abort", request_id))
         if self._thread is None:
-            self._drive_if_free(step=False)
+            self._apply_inbox_if_free()
 
     def _post(self, item: tuple) -> None:
         with self._cv:
@@ -165,12 +165,7 @@ class EngineLoop:
                     if self._stop:
                         return
                     self._driving = True
-                try:
-                    self._step_once()
-                finally:
-                    with self._cv:
-                        self._driving = False
-                        self._cv.notify_all()
+                self._as_driver(self._step_once)
         except BaseException as e:  # the loop itself broke (a bug): fail every waiter instead of hanging them
             log.exception("the engine loop died")
             with self._cv:
@@ -193,24 +188,21 @@ class EngineLoop:
                         self._cv.wait(timeout=1.0)  # woken after every step; the timeout only guards a dead driver
                     continue
                 self._driving = True
-            try:
-                self._step_once()
-            finally:
-                with self._cv:
-                    self._driving = False
-                    self._cv.notify_all()
+            self._as_driver(self._step_once)
 
-    def _drive_if_free(self, step: bool) -> None:
-        """Apply the inbox (and optionally step) now if no thread is stepping."""
+    def _apply_inbox_if_free(self) -> None:
+        """Apply the inbox now if no thread is stepping (else the stepping thread does, before its next step)."""
         with self._cv:
             if self._driving or self._thread is not None:
                 return
             self._driving = True
+        self._as_driver(self._apply_inbox)
+
+    def _as_driver(self, work: Callable[[], None]) -> None:
+        """Run ``work`` holding the driver's role (taken by the caller under the condition), then hand it back and
+        wake every waiter: their outputs may have come, or the role is free to take."""
         try:
-            if step:
-                self._step_once()
-            else:
-                self._apply_inbox()
+            work()
         finally:
             with self._cv:
                 self._driving = False
