@@ -2,58 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-REDIS_BIN = shutil.which("redis-server")
+from tests.store.redis_procs import REDIS_BIN, Server, free_port, need_redis  # noqa: F401 - re-exported
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def need_redis() -> None:
-    if REDIS_BIN is None:
-        pytest.skip("redis-server binary not installed (apt-get install redis-server); CI installs it")
+# one implementation of a test's own redis-server (extra arguments, pause/resume), named here as the fixtures' type
+RedisServer = Server
 
 
 @pytest.fixture(scope="session")

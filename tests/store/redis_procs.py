@@ -9,7 +9,20 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.store.conftest import free_port, need_redis
+import pytest
+
+REDIS_BIN = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def need_redis() -> None:
+    if REDIS_BIN is None:
+        pytest.skip("redis-server binary not installed (apt-get install redis-server); CI installs it")
 
 
 class Server:
@@ -20,7 +33,7 @@ class Server:
         self.port = free_port()
         ports = ["--port", "0", "--tls-port", str(self.port)] if tls else ["--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server"), *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [REDIS_BIN, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(workdir), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
