@@ -66,7 +66,7 @@ def resolve_engine_config(a: argparse.Namespace):
     return resolve_settings(a).engine
 
 
-def resolve_settings(a: argparse.Namespace, server_type: type | None = None):
+def resolve_settings(a: argparse.Namespace, server_type: type | None = None, defaults: dict | None = None):
     """`config_load.Settings` of an engine subcommand; with ``server_type`` the server section is resolved too
     (the `SERVER_FLAGS` given over KVTIDE_SERVER_* over the file's `server:`)."""
     from .config_load import load_settings
@@ -77,7 +77,7 @@ def resolve_settings(a: argparse.Namespace, server_type: type | None = None):
         given = {key: getattr(a, dest) for dest, key in SERVER_FLAGS.items() if getattr(a, dest, None) is not None}
         overrides["server"] = given
         origins.update({f"server.{key}": "--" + dest.replace("_", "-") for dest, key in SERVER_FLAGS.items()})
-    return load_settings(overrides, file=a.config, origins=origins, server_type=server_type)
+    return load_settings(overrides, file=a.config, origins=origins, server_type=server_type, defaults=defaults)
 
 
 def configure_logging(level: str) -> None:
@@ -214,6 +214,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between throughput log lines (0: off; default 10)")
 
 
+# `kvtide serve` on CUDA: compressed pages under the fused zip kernel (auto picks it with compress), whole decode
+# steps as CUDA graphs, async scheduling (on by default there); flags, env and file still override each
+SERVE_CUDA_DEFAULTS = {"cuda_graphs": True, "cache": {"compress": True}}
+
 BENCH_SUITES = {"restore": "restore.py"}  # `kvtide bench NAME ...` runs bench/<file>'s main(argv)
 
 
@@ -312,6 +316,8 @@ def _resolve(a: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"two models given: {a.model_arg!r} and --model {a.model!r}")
         a.model = a.model_arg
     a.settings = resolve_settings(a, ServerConfig)
+    if a.settings.engine.torch_device.type == "cuda":  # a server's defaults there: the fastest measured settings
+        a.settings = resolve_settings(a, ServerConfig, defaults=SERVE_CUDA_DEFAULTS)
     a.engine_config = a.settings.engine
     return {**config_dict(a.engine_config), "server": dataclasses.asdict(a.settings.server)}
 

@@ -83,11 +83,14 @@ def load_config(overrides: Mapping[str, Any] | EngineConfig | None = None, *, fi
 
 def load_settings(overrides: Mapping[str, Any] | EngineConfig | None = None, *,
                   file: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                  server_type: type | None = None, origins: Mapping[str, str] | None = None) -> Settings:
+                  server_type: type | None = None, origins: Mapping[str, str] | None = None,
+                  defaults: Mapping[str, Any] | None = None) -> Settings:
     """`load_config` plus the ``server`` section. With ``server_type`` (a dataclass) the server section is resolved
     like the others (``KVTIDE_SERVER_<FIELD>``, file ``server:``, ``overrides["server"]``); without, the file's
     mapping is returned as read and ``KVTIDE_SERVER_*`` names are left alone. ``origins`` names where explicit
-    values came from in error messages (``{"cache.num_pages": "--num-pages"}``; default ``argument <key>``)."""
+    values came from in error messages (``{"cache.num_pages": "--num-pages"}``; default ``argument <key>``).
+    ``defaults``: values nested like ``overrides`` that replace the dataclass defaults (below the file), for a
+    command whose defaults differ (``kvtide serve`` on CUDA)."""
     sections: dict[str, type] = dict(SECTIONS)
     if server_type is not None:
         if not dataclasses.is_dataclass(server_type):
@@ -95,6 +98,8 @@ def load_settings(overrides: Mapping[str, Any] | EngineConfig | None = None, *,
         sections[SERVER] = server_type
     catalog = _catalog(sections)
     layers: list[_Layer] = []
+    if defaults:
+        layers.append(_explicit_layer(defaults, catalog, sections, {}))
     server_raw: Any = {}
     if file is not None:
         data = read_config_file(file)

@@ -174,7 +174,7 @@ class Serving:
                     yield sse(error_body(500, f"the engine failed this request (choice {i}): {out.error}"))
                     yield DONE
                     return
-                if out.new_text or out.finished:
+                if out.new_token_ids or out.new_text or out.finished:  # a chunk per step with tokens, text or not
                     reason = out.finish_reason if out.finished else None
                     yield sse(builder.chunk(i, out.new_text, reason, include_usage=req.include_usage))
                 if out.finished:

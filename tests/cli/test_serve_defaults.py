@@ -1,0 +1,42 @@
+"""`kvtide serve` defaults on CUDA (compression under the zip kernel, CUDA graphs), below every explicit setting."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import yaml
+
+from kvtide.cli import main
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("KVTIDE_") and name != "KVTIDE_CACHE_DIR":
+            monkeypatch.delenv(name)
+
+
+def served_config(capsys, *args: str) -> dict:
+    assert main(["serve", "--print-config", *args]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_cpu_serve_keeps_the_engine_defaults(capsys, clean_env):
+    cfg = served_config(capsys, "--device", "cpu")
+    assert cfg["cuda_graphs"] is False and cfg["cache"]["compress"] is False
+
+
+def test_cuda_serve_defaults_yield_to_flags_env_and_file(capsys, clean_env, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --print-config builds no engine
+    cfg = served_config(capsys)
+    assert cfg["cuda_graphs"] is True and cfg["cache"]["compress"] is True
+    assert cfg["attention_backend"] == "auto"  # auto picks zip over a compressed pool on CUDA
+    assert served_config(capsys, "--no-compress")["cache"]["compress"] is False
+    monkeypatch.setenv("KVTIDE_CUDA_GRAPHS", "0")
+    assert served_config(capsys)["cuda_graphs"] is False
+    monkeypatch.delenv("KVTIDE_CUDA_GRAPHS")
+    f = tmp_path / "kvtide.yaml"
+    f.write_text("cache:\n  compress: false\n")
+    assert served_config(capsys, "--config", str(f))["cache"]["compress"] is False
+    assert served_config(capsys, "--device", "cpu")["cache"]["compress"] is False
