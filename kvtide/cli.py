@@ -214,25 +214,51 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between throughput log lines (0: off; default 10)")
 
 
-# `kvtide serve` on CUDA: compressed pages under the fused zip kernel (auto picks it with compress), whole decode
-# steps as CUDA graphs, async scheduling (on by default there); flags, env and file still override each
-SERVE_CUDA_DEFAULTS = {"cuda_graphs": True, "cache": {"compress": True}}
+# `kvtide serve` on CUDA: decode steps as CUDA graphs (async scheduling is on there already). Compression stays
+# opt-in (--compress): served, its prefill steps cost more than its faster decode steps save (docs/benchmarks.md)
+SERVE_CUDA_DEFAULTS = {"cuda_graphs": True}
 
-BENCH_SUITES = {"restore": "restore.py"}  # `kvtide bench NAME ...` runs bench/<file>'s main(argv)
+# `kvtide bench NAME ...` runs NAME's main(argv): "x.py" is bench/x.py of a source checkout, a dotted name a module.
+# Each suite writes JSON (machine/versions header first) and a PNG of its headline figure; bench/tools/ holds the
+# diagnostics that are not suites.
+BENCH_SUITES = {
+    "zip-attention": "zip_attention.py",  # GPU: decode-attention kernels against FlashInfer, per context x batch
+    "zip-engine": "zip_engine.py",  # GPU: engine decode tok/s, compressed pool against FlashInfer, one KV budget
+    "zip-format": "zip_format.py",  # compressible blocks and bytes of real KV, batch under a budget, codec speed
+    "engine-cpu": "engine_cpu.py",  # CPU: the engine against transformers' generate, prefill and decode tok/s
+    "engine-gpu": "engine_gpu.py",  # GPU: real-model tokens against the CPU / transformers; 8B-shape decode
+    "restore": "restore.py",  # restoration (CacheFlow) TTFT against recompute, load-only and Cake
+    "restore-devicewise": "restore_devicewise.py",  # device-wise CacheFlow on a pipeline of shards
+    "kvserve": "kvserve_controller.py",  # KVServe online controller under a bandwidth trace
+    "kvserve-profiles": "kvserve_profiles.py",  # KVServe offline profiles (writes the tables kvserve reads)
+    "faults": "faults.py",  # fault soak: injected store/backend faults, wrong outputs / stuck / crashes
+    "serve": "kvtide.benchmarks.serve",  # load generator for any OpenAI-compatible server
+}
+
+
+def bench_suite(name: str):
+    """The module of suite ``name``: a dotted name imported as it is; a bench/ file imported by its stem with bench/
+    on sys.path (so worker processes a suite spawns can import what it pickles by reference)."""
+    import importlib
+    from pathlib import Path
+
+    target = BENCH_SUITES[name]
+    if not target.endswith(".py"):
+        return importlib.import_module(target)
+    path = Path(__file__).resolve().parents[1] / "bench" / target
+    if not path.exists():
+        raise ValueError(f"{path} not found: `kvtide bench {name}` runs from a source checkout")
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    return importlib.import_module(path.stem)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / BENCH_SUITES[a.suite]
-    if not path.exists():
-        raise ValueError(f"{path} not found: `kvtide bench` runs from a source checkout")
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"kvtide_bench_{a.suite}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main(a.args)
+    argv0, sys.argv[0] = sys.argv[0], f"kvtide bench {a.suite}"  # the suite's usage line names the command
+    try:
+        return int(bench_suite(a.suite).main(list(a.args)) or 0)
+    finally:
+        sys.argv[0] = argv0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.log_level is None:
         a.log_level = "info" if a.cmd == "serve" else "warning"
     configure_logging(a.log_level)
+    from .extras import MissingExtra
     from .models.registry import ModelNotFoundError
 
     try:
@@ -292,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(yaml.safe_dump(shown, sort_keys=False))
                 return 0
         return a.fn(a)
-    except (ModelNotFoundError, ValueError, TypeError) as e:
+    except (ModelNotFoundError, MissingExtra, ValueError, TypeError) as e:
         print(f"kvtide: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""`kvtide serve` defaults on CUDA (compression under the zip kernel, CUDA graphs), below every explicit setting."""
+"""`kvtide serve` defaults on CUDA (CUDA graphs), below every explicit setting; compression stays opt-in."""
 from __future__ import annotations
 
 import os
@@ -30,13 +30,12 @@ def test_cpu_serve_keeps_the_engine_defaults(capsys, clean_env):
 def test_cuda_serve_defaults_yield_to_flags_env_and_file(capsys, clean_env, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --print-config builds no engine
     cfg = served_config(capsys)
-    assert cfg["cuda_graphs"] is True and cfg["cache"]["compress"] is True
-    assert cfg["attention_backend"] == "auto"  # auto picks zip over a compressed pool on CUDA
-    assert served_config(capsys, "--no-compress")["cache"]["compress"] is False
+    assert cfg["cuda_graphs"] is True and cfg["cache"]["compress"] is False
+    assert served_config(capsys, "--compress")["cache"]["compress"] is True
     monkeypatch.setenv("KVTIDE_CUDA_GRAPHS", "0")
     assert served_config(capsys)["cuda_graphs"] is False
     monkeypatch.delenv("KVTIDE_CUDA_GRAPHS")
     f = tmp_path / "kvtide.yaml"
-    f.write_text("cache:\n  compress: false\n")
-    assert served_config(capsys, "--config", str(f))["cache"]["compress"] is False
-    assert served_config(capsys, "--device", "cpu")["cache"]["compress"] is False
+    f.write_text("cuda_graphs: false\n")
+    assert served_config(capsys, "--config", str(f))["cuda_graphs"] is False
+    assert served_config(capsys, "--device", "cpu")["cuda_graphs"] is False
