@@ -10,7 +10,6 @@ greedy, a fixed number of new tokens (EOS ignored). Both timed the same way, wal
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report  # noqa: E402
 from kvtide import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.engine.llm import LLM  # noqa: E402
 
@@ -65,7 +65,27 @@ def bench_hf(model, prompts: list[list[int]], new: int, repeats: int) -> tuple[f
     return t1, tn
 
 
-def main() -> None:
+def draw(doc: dict, plt):
+    """Headline figure: prefill and decode tokens/s per batch for each system."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    systems = list(dict.fromkeys(r["system"] for r in doc["rows"]))
+    batches = sorted({r["batch"] for r in doc["rows"]})
+    width = 0.8 / max(1, len(systems))
+    for ax, key, label in ((axes[0], "prefill_tok_s", "prefill tok/s"), (axes[1], "decode_tok_s", "decode tok/s")):
+        for i, name in enumerate(systems):
+            by_b = {r["batch"]: r[key] for r in doc["rows"] if r["system"] == name}
+            ax.bar([j + (i - (len(systems) - 1) / 2) * width for j in range(len(batches))],
+                   [by_b.get(b, 0) for b in batches], width, label=name)
+        ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("batch")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{doc.get('model')}: prompt {doc.get('prompt_len')} tokens, {doc.get('new_tokens')} new", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="1,8,32")
@@ -73,7 +93,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/results/engine_cpu.json"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     import transformers
     from rich.console import Console
@@ -111,8 +131,7 @@ def main() -> None:
         "model": a.model + " (real weights, fp32 compute)", "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
         "repeats": a.repeats, "method": __doc__.strip().splitlines()[2:5], "rows": rows,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2))
+    report.write(a.out, res, draw, argv, indent=2)
     t = Table(title=f"{a.model} on CPU: prompt {a.prompt_len} tok, {a.new_tokens} new tok, median of {a.repeats}")
     for c in ("system", "batch", "prefill tok/s", "decode tok/s", "decode vs HF"):
         t.add_column(c)

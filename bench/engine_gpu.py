@@ -4,7 +4,7 @@
     python bench/engine_gpu.py --part real --out bench/results/engine_gpu_real.json
     python bench/engine_gpu.py --part decode8b --out bench/results/engine_gpu_decode8b.json
 
-Writes JSON (device, versions, shapes, date) and prints a short table.
+Writes JSON (machine header, versions, shapes) and a PNG beside it, and prints a short table.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report  # noqa: E402
 from kvtide import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.engine.llm import LLM  # noqa: E402
 
@@ -185,7 +186,26 @@ def part_decode8b(batch: int, context: int, steps: int, preset: str = "llama3-8b
     }
 
 
-def main() -> None:
+def draw(doc: dict, plt):
+    """Headline figure of the part that ran: leading-token agreement per pair (real), or step time (decode8b,
+    zipcheck: raw against compressed pages)."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    if "agreement_leading_tokens" in doc:
+        agree = doc["agreement_leading_tokens"]
+        per = [sum(v) / len(v) if isinstance(v, list) and v else v for v in agree.values()]
+        ax.barh(list(agree), per)
+        ax.set_xlabel(f"leading tokens that agree (of {doc.get('max_new_tokens')}, mean over prompts)")
+        ax.set_title(f"{doc.get('model')}: greedy tokens against the CPU and transformers", fontsize=9)
+    else:
+        runs = {"raw": doc["raw"], "compressed": doc["compressed"]} if "raw" in doc else {"decode": doc}
+        ax.bar(list(runs), [r["median_decode_step_ms"] for r in runs.values()])
+        ax.set_ylabel("median decode step (ms)")
+        r0 = next(iter(runs.values()))
+        ax.set_title(f"{r0.get('model')}: batch {r0.get('batch')} x {r0.get('context')} tokens", fontsize=9)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=["real", "decode8b", "zipcheck"], required=True)
     ap.add_argument("--model", default="smollm2-135m")
@@ -197,7 +217,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu only for a dry run of the script's logic")
     ap.add_argument("--backend", default="flashinfer")
     ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/engine_gpu.py needs a CUDA device")
     res = {"env": env()}
@@ -216,8 +236,7 @@ def main() -> None:
         res.update(part_decode8b(a.batch, a.context, a.steps, a.preset, a.device, a.backend))
         print(f"8B-shape decode, batch {a.batch} x {a.context}: {res['median_decode_step_ms']:.2f} ms/step, "
               f"{res['decode_tokens_per_s']:.0f} tokens/s (FlashInfer, random weights)")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2))
+    report.write(a.out, res, draw, argv, indent=2)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import report  # noqa: E402
 from kvtide import LLM, SamplingParams  # noqa: E402
 from kvtide.config import CacheConfig, RestoreConfig, SchedulerConfig  # noqa: E402
 from kvtide.store.keys import ChunkKey  # noqa: E402
@@ -427,7 +428,27 @@ def _meta(blob: bytes):
     return meta, tokens, kv.reshape(meta["shape"])
 
 
-def main() -> None:
+def draw(doc: dict, plt):
+    """Headline figure: faults injected per kind and requests per outcome, the goal's verdict in the title."""
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
+    faults = doc.get("faults", {})
+    a0.barh(list(faults), list(faults.values()))
+    a0.set_xlabel("faults injected")
+    req = {k: v for k, v in doc.get("requests", {}).items() if "token" not in k}  # counts of requests only
+    outcome = {**req, "wrong outputs": doc.get("wrong_outputs", 0), "stuck": doc.get("stuck_requests", 0),
+               "crashes": doc.get("crashes", 0)}
+    bars = a1.barh(list(outcome), list(outcome.values()), color=["C0"] * len(req) + ["C3"] * 3)
+    a1.bar_label(bars, fontsize=8)
+    a1.set_xlabel("requests")
+    steps = doc.get("max_step_s", {})
+    fig.suptitle(f"fault soak, {doc.get('duration_s', 0):.0f} s: goal {'met' if doc.get('goal_met') else 'NOT met'}; "
+                 f"max step {max(steps.values(), default=0):.2f} s (goal < {doc.get('max_step_goal_s')} s)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--max-requests", type=int, default=100_000)
@@ -439,7 +460,7 @@ def main() -> None:
                     "evicted and restored from the tiers)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/faults_cpu.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kvtide-faults-"))
     redis, disk = Redis(work), SmallDisk(24)
@@ -504,8 +525,7 @@ def main() -> None:
         result["goal_met"] = (result["wrong_outputs"] == 0 and result["stuck_requests"] == 0
                               and result["crashes"] == 0
                               and max(result["max_step_s"].values()) < result["max_step_goal_s"])
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        report.write(args.out, result, draw, argv)
         print(json.dumps({k: result[k] for k in ("faults", "requests", "wrong_outputs", "stuck_requests", "crashes",
                                                  "max_step_s", "peak_rss_mb", "goal_met")}, indent=1))
         for llm in engines.values():

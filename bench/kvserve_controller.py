@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report  # noqa: E402
 from kvtide.transfer.controller import BF16, Profile, select
 from kvtide.transfer.online import OnlineConfig, OnlineController
 from kvtide.transfer.table import load_profiles
@@ -144,10 +145,8 @@ def summarise(sim: dict, gbps: list[float], high_gbps: float) -> dict:
     return out
 
 
-def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def draw(doc: dict, plt):
+    """Headline figure (the PNG beside the JSON)."""
     key = doc["plot_key"]
     run = doc["runs"][key]
     g = doc["trace_gbps"]
@@ -173,7 +172,7 @@ def plot(doc: dict, path: Path) -> None:
     ax[2].legend(fontsize=7)
     ax[0].set_title(f"kvserve controller: {key} ({doc['env']['date'][:10]}; contention in middle third)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,8 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                       for k, v in doc["runs"].items()}
     doc["seconds"] = round(time.perf_counter() - t0, 2)
     out = Path(args.out)
-    out.write_text(json.dumps(doc, indent=1))
-    plot(doc, out.with_suffix(".png"))
+    report.write(out, doc, draw, argv)
     print(f"wrote {out} and {out.with_suffix('.png')} ({doc['seconds']} s)")
 
 

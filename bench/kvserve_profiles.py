@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report  # noqa: E402
 from kvtide.transfer.baselines import BASELINES, DUO_PRESS
 from kvtide.transfer.controller import Profile, pareto_front
 from kvtide.transfer.evaluate import EvaluateConfig, PipelineEvaluator
@@ -152,10 +153,8 @@ def run_pair(model: str, wl: str, args, space, exhaustive: bool) -> dict:
     return out
 
 
-def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def draw(doc: dict, plt):
+    """Headline figure (the PNG beside the JSON)."""
     runs = doc["runs"]
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4.2 * (len(runs) + 1), 4))
     thr = doc["threshold"]
@@ -186,7 +185,7 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_title(f"search cost, space of {rep['space_size']}", fontsize=9)
     fig.suptitle(f"kvserve profiles ({doc['env']['date'][:10]}, CPU, real weights, threshold {thr})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         **{f"{n}_meets_threshold": sum(r["vs_baselines"][n]["meets_threshold"] for r in doc["runs"]) for n in LOSSY_BASELINES},
         "pairs": len(doc["runs"]), "seconds": round(time.perf_counter() - t0, 1)}
     out = Path(args.out)
-    out.write_text(json.dumps(doc, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
-    plot(doc, out.with_suffix(".png"))
+    report.write(out, doc, draw, argv,
+                 default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import platform
 import statistics
@@ -46,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench import report  # noqa: E402
 from kvtide import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.config import RestoreConfig  # noqa: E402
 from kvtide.engine.llm import LLM  # noqa: E402
@@ -565,12 +565,31 @@ def goals(rows: list[dict], summary: list[dict], trace: dict | None, layers: int
     return g
 
 
-def plot(trace: dict, path: Path, title: str) -> None:
-    import matplotlib
+def draw(doc: dict, plt):
+    """Headline figure: TTFT CDFs of the trace replay per link and method; without a replay, each method's gain
+    over the better single resource on the isolated grid."""
+    m, trace = doc.get("meta", {}), doc.get("trace")
+    if trace and trace.get("runs"):
+        args = m.get("args", {})
+        return _ttft_cdfs(trace, plt, f"Mooncake trace replay, {m.get('model')}"
+                          f"{' (random weights)' if m.get('random_weights') else ''}, {args.get('device')}; "
+                          f"{trace['requests']} requests at {args.get('load')} x recompute-only saturation")
+    rows = doc.get("isolated_summary") or []
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(rows)), 4))
+    width = 0.8 / len(ORDER)
+    for i, meth in enumerate(ORDER):
+        ax.bar([j + (i - (len(ORDER) - 1) / 2) * width for j in range(len(rows))],
+               [r["gains"].get(meth, 0) for r in rows], width, label=LABELS[meth])
+    ax.plot(range(len(rows)), [r["ideal_gain"] for r in rows], "k_", markersize=16, label="ideal overlap")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [f"{r['tokens']}\n{r['gbps']:g} Gbps\nb{r['batch']}" for r in rows], fontsize=7)
+    ax.set_ylabel("gain over the better of recompute / load")
+    ax.set_title(f"isolated restorations, {m.get('model')}", fontsize=9)
+    ax.legend(fontsize=7)
+    return fig
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _ttft_cdfs(trace: dict, plt, title: str):
     gs = list(dict.fromkeys(r["link"] for r in trace["runs"]))
     fig, axes = plt.subplots(1, len(gs), figsize=(max(8.0, 5.5 * len(gs)), 4.3), squeeze=False)
     for ax, g in zip(axes[0], gs):
@@ -587,7 +606,7 @@ def plot(trace: dict, path: Path, title: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=8, wrap=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -793,15 +812,8 @@ def main(argv: list[str] | None = None) -> int:
             "profile_dump": b.r.profile.to_dict()}
     res = {"meta": meta, "goals": g, "balance": bal, "isolated": iso, "isolated_summary": summary, "trace": trace}
     jpath = out_dir / f"restore_{tag}.json"
-    jpath.write_text(json.dumps(res, indent=1))
+    report.write(jpath, res, draw if (iso or trace and trace["runs"]) else None, argv)
     _print(con, summary, trace, g)
-    if trace is not None and trace["runs"]:
-        try:
-            plot(trace, out_dir / f"restore_{tag}.png",
-                 f"Mooncake trace replay, {a.model}{' (random weights)' if random_w else ''}, {a.device}; "
-                 f"{trace['requests']} requests at {a.load} x recompute-only saturation")
-        except ImportError as e:  # a bare GPU machine may lack matplotlib: the JSON holds every TTFT
-            con.print(f"no PNG ({e})")
     con.print(f"wrote {jpath} ({meta['wall_seconds']:.0f}s)")
     return 0
 

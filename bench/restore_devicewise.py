@@ -25,7 +25,6 @@ each); the link is set at the balance point B* where loading a shard's prefix ta
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from restore_trace import (block_content, build_workload, load_trace, prefixes_to_preload,  # noqa: E402
                            text_tokens)
 
+from bench import report  # noqa: E402
 from kvtide.parallel.pipeline import PipelineConfig, PipelineEngine, launch  # noqa: E402
 from kvtide.restore.devicewise import shard_ranges  # noqa: E402
 
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                          "before FlashAttention's bottom-right causal path was used")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     gpu = a.device == "cuda"
     d = {"model": ("smollm2-135m", "random:llama3-8b"), "shards": ([2], [1, 2, 4]), "gbps": (None, 10.0),
          "chunk": (32, 512), "requests": (24, 24), "block_tokens": (16, 512), "max_input": (512, 16384),
@@ -302,10 +303,7 @@ def _write(a: argparse.Namespace, runs: dict[str, Any], skipped: list[int], have
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"{a.model.replace(':', '_')}_{a.device}"
     jpath = out_dir / f"restore_devicewise_{tag}.json"
-    jpath.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    _plot(runs, out_dir / f"restore_devicewise_{tag}.png",
-          f"Mooncake trace, {a.model}{' (RANDOM weights)' if random_w else ''}, {a.device}; "
-          f"{'10 Gbps' if gpu else 'balance-point link'} per shard")
+    report.write(jpath, {"meta": meta, "runs": runs}, draw, a.argv)
     print(f"wrote {jpath} ({meta['wall_seconds']:.0f}s)")
 
 
@@ -361,12 +359,11 @@ def _print_timeline(ms: dict[str, Any]) -> None:
         print(f"    timeline {key} (mean ms from generate start): " + "; ".join(parts))
 
 
-def _plot(runs: dict[str, Any], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw(doc: dict, plt):
+    """Headline figure: mean TTFT of the trace replay (and the isolated case's median) per layout and method."""
+    runs, m = doc["runs"], doc["meta"]
+    title = (f"Mooncake trace, {m['model']}{' (RANDOM weights)' if m.get('random_weights') else ''}, "
+             f"{m['args']['device']}; {'10 Gbps' if m.get('gpu') else 'balance-point link'} per shard")
     shards = sorted(runs, key=int)
     panels = [("trace replay: mean TTFT (s)", lambda s, k: runs[s]["methods"][k]["mean_s"])]
     if all(runs[s].get("isolated") for s in shards):
@@ -389,7 +386,7 @@ def _plot(runs: dict[str, Any], path: Path, title: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""H200 benchmark: ZipFusion decode attention (Triton) vs FlashInfer tensor-core decode vs our raw kernel
+"""GPU benchmark (`kvtide bench zip-attention`): ZipFusion decode attention (CUDA and Triton) vs FlashInfer tensor-core decode vs our raw kernel
 vs decompress-then-FlashInfer, at the Llama-3.1-8B attention shape (32 q heads, 8 KV heads, d=128, page 16).
 
 KV (``--real-kv``, the default for reported runs) is tiled from real KV of the bundled models: ``--capture``
@@ -16,11 +16,11 @@ entry has its own pages, scattered through the pool by a random page table. L2 i
     python bench/zip_attention.py --real-kv bench/data/real_kv.safetensors --out $OUT/zip_attention.json
 
 Diagnostics beside the do_bench figures (the goals' measure): ``--clean-flush`` (L2 emptied by a read-only sweep, no
-dirty lines left for the timed call), ``--breakdown`` (device time per kernel, CUPTI), ``--load-hints`` (cache hints
-on the CUDA kernel's loads). The CUDA kernel's launch shapes (``CUDA_CONFIGS``, the first being the plan's own
+dirty lines left for the timed call), ``--breakdown`` (device time per kernel, CUPTI). The CUDA kernel's launch shapes (``CUDA_CONFIGS``, the first being the plan's own
 choice, as the engine runs it) are tuned with the splits merged in a CTA and with the zip_merge launch, and the best of
 each is timed again (``cta_merge_ab``); ``--stage`` picks where the kernel stages the next page (default: the plan's).
-Kernel changes worth 1-2% are A/B'd with ``bench/zip_kernel_ab.py`` (variants in one process, in turn).
+Kernel changes worth 1-2% are A/B'd with ``bench/tools/zip_kernel_ab.py`` (variants in one process, in turn).
+Writes JSON (machine header first) and a PNG of the speedups over FlashInfer beside it.
 """
 
 from __future__ import annotations
@@ -35,12 +35,16 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvtide.extras import require  # noqa: E402
+
+triton = require("triton", "gpu", "kvtide bench zip-attention")
+from triton.testing import do_bench  # noqa: E402
+
+from bench import report  # noqa: E402
 from kvtide.cache import zip_order  # noqa: E402
-from kvtide.cache import zipblocks as zb  # noqa: E402
+from kvtide.cache import zip_blocks as zb  # noqa: E402
 from kvtide.kernels import zip_attention as za  # noqa: E402
 from kvtide.kernels import zip_attention_cuda as zc  # noqa: E402
 from kvtide.kernels import zip_attention_ref as zr  # noqa: E402
@@ -168,7 +172,8 @@ def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, ar
     for (warps, min_blocks, waves), cta in [(s, c) for s in args.cuda_launch for c in (False, True)]:
         opts = dict(warps=warps or None, min_blocks=min_blocks or None, waves=waves, cta_merge=cta, stage=args.stage)
         try:
-            p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev, **opts)
+            p = zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev,
+                        options=zc.LaunchOptions(**opts))
             if cta and not p.cta_merge:  # the plan kept the global merge: the same kernel as cta_merge=False
                 continue
             out = torch.full_like(q, float("nan"))
@@ -182,7 +187,8 @@ def tune_cuda(pool, gstart, gdesc, q, indptr, indices, last, ref, o_fi, nref, ar
         vs_fi = float((out.float() - o_fi.float()).norm() / o_fi.float().norm())
         us = bench(lambda: zc.run(p, q, pool, gstart, gdesc, out=out), args.tune_rep) if ok and err < 1e-2 \
             else float("inf")
-        k = zc.kernels(dev.index or 0, D, args.version, p.warps, p.min_blocks, 0, p.cta_merge, p.stage)["zip_decode"]
+        k = zc.kernels(dev.index or 0, D, args.version, p.warps, p.min_blocks, p.cta_merge, p.stage,
+                       p.balanced)["zip_decode"]
         tuned.append(dict(options=opts, splits=p.num_splits, launch=[p.warps, p.min_blocks], stage=p.stage, us=us,
                           all_written=ok,
                           rel_err_f64=err, rel_diff_vs_flashinfer=vs_fi, registers=k.num_regs,
@@ -289,9 +295,30 @@ def kernel_breakdown(fn, n: int = 30) -> dict:
             "kernels_us_median": {k: med(v) for k, v in per.items()}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out")
+def draw(doc: dict, plt):
+    """Headline figure: each kernel's speedup over FlashInfer per (context, batch), round medians where timed in
+    rounds, beside the byte ceiling of the CUDA kernel's pages."""
+    rows = doc["results"]
+    kinds = [k for k in ("cuda_zip", "cuda_raw", "zip", "raw") if any("us" in r.get(k, {}) for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    width = 0.8 / max(1, len(kinds))
+    for i, kind in enumerate(kinds):
+        ys = [r.get(kind, {}).get("speedup_vs_flashinfer_rounds_median",
+                                  r.get(kind, {}).get("speedup_vs_flashinfer", 0)) for r in rows]
+        ax.bar([j + (i - (len(kinds) - 1) / 2) * width for j in range(len(rows))], ys, width, label=kind)
+    ax.plot(range(len(rows)), [r["cuda_ceiling_speedup"] for r in rows], "k_", markersize=20, label="byte ceiling")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [f"{r['context']} x {r['batch']}" for r in rows])
+    ax.set_xlabel("context x batch")
+    ax.set_ylabel("speedup over FlashInfer (x)")
+    ax.set_title(f"decode attention, {doc.get('device', '')}, format v{doc.get('shape', {}).get('format_version')}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="decode attention kernels against FlashInfer (CUDA)")
+    ap.add_argument("--out", help="JSON result (a PNG is written beside it)")
     ap.add_argument("--capture", help="CPU: capture real KV of the bundled models to this safetensors file")
     ap.add_argument("--capture-tokens", type=int, default=512)
     ap.add_argument("--real-kv", help="tile KV from this capture (else synthetic KV)")
@@ -308,8 +335,6 @@ def main() -> None:
                     help="after the single timings: this many rounds of FlashInfer and the CUDA kernels timed in turn "
                          "(do_bench each); the per-round ratio's median is reported beside the single figure")
     ap.add_argument("--skip-triton", action="store_true", help="time only FlashInfer and the CUDA kernel")
-    ap.add_argument("--load-hints", type=int, nargs="*", default=[],
-                    help="also time the CUDA kernel's best launch shape with these LOAD_HINT values (zc.LOAD_HINTS)")
     ap.add_argument("--breakdown", action="store_true",
                     help="device time per kernel of FlashInfer and the best kernels (torch.profiler, clean flush)")
     ap.add_argument("--clean-flush", action="store_true",
@@ -318,7 +343,7 @@ def main() -> None:
                     help="CUDA kernel: where the next page's groups wait (zc.STAGES; default: the plan's)")
     ap.add_argument("--cuda-launch", type=parse_launch, nargs="+", default=CUDA_CONFIGS,
                     help="CUDA kernel launch shapes tried: warps,min_blocks[,waves] (default: CUDA_CONFIGS)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.capture:
         capture(args.capture, args.capture_tokens)
         return
@@ -364,7 +389,7 @@ def main() -> None:
 
             def cplan(**opts) -> zc.CudaDecodePlan:  # the CUDA kernel's plan of this batch, launch options as given
                 return zc.plan(indptr, indices, last, HQ, HKV, D, PS, version=args.version, device=dev,
-                               **{"stage": args.stage, **opts})
+                               options=zc.LaunchOptions(**{"stage": args.stage, **opts}))
 
             for kind, (cp, cs, cd) in cuda_in.items():  # the CUDA kernel over the mma-ordered pool, and all-raw
                 row[kind] = tune_cuda(cp, cs, cd, q, indptr, indices, last, ref, o_fi, nref, args, dev)
@@ -443,24 +468,6 @@ def main() -> None:
                       + "  ".join(f"{k} {row[k]['us_rounds_median']:7.1f}us x{row[k]['speedup_vs_flashinfer_rounds_median']:.3f} "
                                   f"({min(row[k]['speedup_vs_flashinfer_rounds']):.3f}-"
                                   f"{max(row[k]['speedup_vs_flashinfer_rounds']):.3f})" for k in cuda_best), flush=True)
-            for kind in ("cuda_zip", "cuda_raw") if args.load_hints else ():  # cache hints on the best launch shape
-                if "options" not in row.get(kind, {}):
-                    continue
-                cp, cs, cd = cuda_in[kind]
-                base_out = zc.run(cplan(**row[kind]["options"]), q, cp, cs, cd)
-                row[kind]["load_hints"] = {}
-                for hint in args.load_hints:
-                    hp = cplan(load_hint=hint, **row[kind]["options"])
-                    hfn = lambda hp=hp, cp=cp, cs=cs, cd=cd: zc.run(hp, q, cp, cs, cd)  # noqa: E731
-                    same = bool(torch.equal(hfn(), base_out))  # a hint changes no arithmetic: bit-equal output
-                    h = dict(hint=zc.LOAD_HINTS[hint], bit_equal_to_no_hint=same, us=bench(hfn, args.rep))
-                    h["speedup_vs_flashinfer"] = row["flashinfer_us"] / h["us"]
-                    if args.clean_flush:
-                        h["us_clean_flush"] = bench_clean_flush(hfn)
-                    row[kind]["load_hints"][hint] = h
-                    print(f"ctx {ctx:5d} B {b:3d}  {kind} load hint {hint} ({h['hint']}): {h['us']:7.1f}us "
-                          f"x{h['speedup_vs_flashinfer']:.3f}, bit-equal {same}"
-                          + (f", clean flush {h['us_clean_flush']:7.1f}us" if args.clean_flush else ""), flush=True)
             if args.breakdown:
                 try:
                     row["flashinfer_breakdown"] = kernel_breakdown(lambda: fi.run(q, kv))
@@ -542,8 +549,7 @@ def main() -> None:
             "each call (no dirty lines left; bench_clean_flush)" if args.clean_flush else ""),
         wall_s=time.time() - t_start, results=results,
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(meta, indent=1))
+    report.write(args.out, meta, draw, argv)
     for r in results:
         if "rounds" in r:
             cz = r.get("cuda_zip", {})

@@ -15,9 +15,12 @@ default the bundled SmolLM2-135M on real text, bf16 compute), cut so that every 
 is one block of the real model: the pool then compresses as real KV does. The 16 pages each sequence fills while
 decoding hold the random model's own KV. The JSON reports the K/V compressible fractions and ratios seen.
 
-    python bench/zip_engine.py --out bench/results/zip_engine_h200.json                # H200, 3-5 minutes
+    python bench/zip_engine.py --out bench/results/zip_engine.json                     # CUDA, 3-5 minutes
     python bench/zip_engine.py --real-kv bench/data/real_kv.safetensors --out ...     # GPU host without the models
     python bench/zip_engine.py --smoke --out /tmp/zip_engine_smoke.json                # CPU: Triton interpreter
+
+`kvtide bench zip-engine` runs the same; the JSON opens with the machine header and a PNG of tokens/s per batch is
+written beside it.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report  # noqa: E402
 from bench.engine_gpu import env  # noqa: E402
 from kvtide import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.engine.attention import AttentionBackend, BatchLayout  # noqa: E402
@@ -53,10 +57,6 @@ _ZC, _GRAPHS = "kvtide.kernels.zip_attention_cuda", "kvtide.engine.cuda_graphs"
 KERNEL_RULES = (
     ("balanced", _ZC, "AUTO_BALANCED", ("balanced", "even"),
      "CUDA kernel: balanced runs where zip_attention_cuda's rule takes them (off: never)", "cuda_kernel_balanced_rule"),
-    ("tail-merge", _ZC, "AUTO_TAIL_MERGE", ("tail_merge", "merge_launch"),
-     "CUDA kernel: split partials merged by each unit's last warp instead of a merge launch", "cuda_kernel_tail_merge"),
-    ("pdl", _ZC, "AUTO_PDL", ("pdl", "plain_launch"), "CUDA kernel: programmatic dependent launches",
-     "cuda_kernel_pdl"),
     ("pdl-nudge", _GRAPHS, "PDL_NUDGE", ("nudge", "no_nudge"),
      "whole-step graphs (any backend): a trivial eager PDL launch before each replay", "pdl_nudge"),
 )
@@ -125,9 +125,9 @@ def prompt(i: int, context: int, vocab: int) -> list[int]:
 
 def page_events(eng: LLMEngine) -> tuple[int, int]:
     """(pages compressed, pages allocated): a step that changes either did page work (allocation, compression)."""
-    if eng.store is None:
+    if eng.pool is None:
         return 0, len(eng.block_manager.free)
-    return eng.store.counters["pages_compressed"], eng.store.counters["pages_allocated"]
+    return eng.pool.counters["pages_compressed"], eng.pool.counters["pages_allocated"]
 
 
 class HostClock:
@@ -180,9 +180,9 @@ class HostClock:
         self._wrap(eng.runner, "layout", "layout")
         self._wrap(eng.runner.attention, "plan", "plan")
         self._wrap(eng.runner.attention, "plan_graph", "plan")
-        if eng.store is not None:  # both halves (store.compress calls them too, so nothing counts twice)
-            self._wrap(eng.store, "compress_begin", "compress")
-            self._wrap(eng.store, "compress_finish", "compress")
+        if eng.pool is not None:  # both halves (store.compress calls them too, so nothing counts twice)
+            self._wrap(eng.pool, "compress_begin", "compress")
+            self._wrap(eng.pool, "compress_finish", "compress")
 
     def _wrap(self, obj, name: str, bucket: str) -> None:
         fn = getattr(obj, name)
@@ -353,7 +353,7 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
     with profile(activities=acts) as prof:
         for _ in range(steps):
             t1 = time.perf_counter()
-            with record_function("kvtide.bench_step"):  # step windows for bench/trace_gaps.py
+            with record_function("kvtide.bench_step"):  # step windows for bench/tools/trace_gaps.py
                 eng.step()
             walls.append((time.perf_counter() - t1) * 1e3)
         sync()
@@ -364,9 +364,9 @@ def profile_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, proxy: 
         with open(raw, "rb") as f, gzip.open(trace, "wb") as g:
             g.write(f.read())
         raw.unlink()
-        from bench.trace_gaps import analyze, load
+        from bench.tools.trace_gaps import analyze, load
 
-        gaps = analyze(load(trace))  # device idle gaps and what the host did then: see bench/trace_gaps.py
+        gaps = analyze(load(trace))  # device idle gaps and what the host did then: see bench/tools/trace_gaps.py
     drain(eng, None, sync, -1)
     ev = prof.key_averages()
 
@@ -391,7 +391,7 @@ def compression_seen(eng: LLMEngine) -> dict:
     """Blocks stored compressed (desc != 0xFF) among the compressed pages held, K and V, and byte ratios."""
     from kvtide.cache.zip_pages import COMPRESSED
 
-    st = eng.store
+    st = eng.pool
     pids = torch.from_numpy((st.state == COMPRESSED).nonzero()[0]).to(st.device)
     s = eng.kv_stats()
     out = {"pages_compressed_held": int(pids.numel()), "k_ratio_stored_over_raw": s["k_ratio"],
@@ -443,7 +443,7 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
     else:
         n0 = min(max(batches or [a.ref_batch]), eng.num_pages // per_seq)
         out["warm_probe_seconds"] = warm(eng, [prompt(i, a.context, vocab) for i in range(n0)], proxy, sync)
-        used = eng.num_pages - eng.store.free_pages()  # raw-page units taken by n0 compressed prefixes (+ reserve)
+        used = eng.num_pages - eng.pool.free_pages()  # raw-page units taken by n0 compressed prefixes (+ reserve)
         prefix_pages = a.context // PAGE
         per_prefix = used / n0
         # Prefix pages at their measured size (one recomputed), decode pages counted raw: conservative.
@@ -523,7 +523,7 @@ def run_backend(label: str, backend: str, compress: bool, a, budget: int, batche
               flush=True)
     out["kv_stats_end"] = {k: v for k, v in eng.kv_stats().items() if isinstance(v, (int, float, bool))}
     out["decode_kernel"] = getattr(getattr(eng.runner.attention, "kernel", None), "__name__", eng.runner.attention.name)
-    out["value_order"] = eng.store.geo.value_order if compress else None
+    out["value_order"] = eng.pool.geo.value_order if compress else None
     out["cuda_graph_captures"] = eng.runner.graphs.captures if eng.runner.graphs is not None else 0
     out["cuda_graph_whole_step_captures"] = eng.runner.graphs.full_captures if eng.runner.graphs is not None else 0
     if compress:
@@ -553,7 +553,29 @@ def load_zip_options(spec: str | None, context: int) -> dict:
     return pick[0]["zip"]["options"]
 
 
-def main() -> None:
+def draw(doc: dict, plt):
+    """Headline figure: decode tokens/s against batch for each backend, its largest batch marked."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, r in doc.get("backends", {}).items():
+        pts = sorted((int(k), v["tokens_per_s"]) for k, v in r.get("runs", {}).items()
+                     if k.isdigit() and v.get("tokens_per_s"))
+        if not pts:
+            continue
+        line, = ax.plot(*zip(*pts), "o-", label=name)
+        big = r.get("largest_batch")
+        if big is not None and str(big) in r["runs"] and r["runs"][str(big)].get("tokens_per_s"):
+            ax.plot([big], [r["runs"][str(big)]["tokens_per_s"]], "*", ms=14, color=line.get_color())
+    largest = (doc.get("ratios_zip_over_baseline") or {}).get("largest_batch") or {}
+    ratio = largest.get("zip_over_baseline_tokens_per_s")
+    ax.set_xlabel("batch (sequences)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"engine decode, one KV budget ({doc.get('model', {}).get('name', '')})"
+                 + (f": zip / baseline at each largest {ratio:.3f}x" if ratio else ""), fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny random model, Triton interpreter")
@@ -608,7 +630,7 @@ def main() -> None:
         ap.add_argument(f"--other-{name}", type=int, default=0,
                         help=f"zip: after its largest batch, this many rounds of ({name} the other way, then as "
                              f"given), same engine; runs '<batch>_{on}_<i>' and '<batch>_{off}_<i>'")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
         a.device, a.preset, a.context, a.steps, a.batches = "cpu", "tiny", 48, 3, "2"
@@ -682,7 +704,7 @@ def main() -> None:
 
     def record(name: str, result: dict) -> None:  # written after each backend: a run cut short keeps what it did
         res["backends"][name] = result
-        a.out.write_text(json.dumps({**res, "complete": False}, indent=2))
+        report.write(a.out, {**res, "complete": False}, argv=argv, png=False, indent=2)
 
     if "baseline" in only:
         record(a.baseline, run_backend(a.baseline, a.baseline, False, a, budget, batches, bank, a.steps, sync,
@@ -705,7 +727,7 @@ def main() -> None:
                                    "zip_over_baseline_tokens_per_s": x / y if x and y else None}
     res["ratios_zip_over_baseline"] = ratios
     res["complete"] = True
-    a.out.write_text(json.dumps(res, indent=2))
+    report.write(a.out, res, draw, argv, indent=2)
 
     print(f"\n{'backend':<24}{'batch':>6}{'ms/step':>10}{'tok/s':>10}")
     for name, r in res["backends"].items():

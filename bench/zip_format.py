@@ -2,7 +2,7 @@
 batch under one KV budget with and without compression, and encode/decode throughput against a plain copy.
 
     python bench/zip_format.py                      # CPU, both bundled models (about 3-5 minutes)
-    python bench/zip_format.py --device cuda        # GPU throughput with the Triton encoder (lead runs it)
+    python bench/zip_format.py --device cuda        # GPU throughput with the Triton encoder
 
 KV comes from the bundled models' real weights run in bf16 compute (KV stored BF16) over real text shipped
 with Python: prose from ``pydoc_data.topics`` and code from stdlib sources (kvtide.transfer.corpus).
@@ -11,7 +11,6 @@ Writes bench/results/zip_format[_cuda].json and .png, and prints a short table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,9 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report  # noqa: E402
 from kvtide import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
-from kvtide.cache import zipblocks as zb  # noqa: E402
-from kvtide.cache import zipformat as zf  # noqa: E402
+from kvtide.cache import zip_blocks as zb  # noqa: E402
+from kvtide.cache import zip_format as zf  # noqa: E402
 from kvtide.engine.llm import LLM  # noqa: E402
 from kvtide.transfer.corpus import windows  # noqa: E402
 
@@ -152,11 +152,8 @@ def windows_for(name: str, n: int) -> list[int]:
     return windows(Tokenizer(resolve_model_dir(name, progress=False)), "prose", 1, n)[0]
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw(result: dict, plt):
+    """Headline figure: the compressible fraction of 512-value blocks per layer, K and V, v1 and v2, per model."""
     names = list(result["models"])
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
@@ -169,10 +166,10 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"ZipFusion format on real KV (bf16 compute, prose + code) — {e['device']}, torch {e['torch']}, "
                  f"{e['date'][:10]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -181,7 +178,7 @@ def main() -> None:
     ap.add_argument("--throughput-mb", type=int, default=0, help="raw MB per throughput run (default 16 CPU, 512 GPU)")
     ap.add_argument("--budget-pages", type=int, default=96, help="KV budget (raw pages) of the batch run")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     suffix = "" if args.device == "cpu" else f"_{args.device}"
     out = Path(args.out) if args.out else RESULTS / f"zip_format{suffix}.json"
     target = (args.throughput_mb or (16 if args.device == "cpu" else 512)) << 20
@@ -203,9 +200,7 @@ def main() -> None:
                           "1 / mean(K, V bytes ratio): pages the same bytes hold once completed pages are compressed",
                           "engine_run": run,
                           "measured_gain": run["compressed"]["peak_running"] / max(1, run["raw"]["peak_running"])}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    report.write(out, result, draw, argv)
     e = result["env"]
     print(f"# ZipFusion format — {e['device']}, torch {e['torch']}, {e['date']}, block {args.block_size}")
     print(f"{'model':22s} {'':3s} {'K frac':>7s} {'K ratio':>8s} {'V frac':>7s} {'V ratio':>8s}")

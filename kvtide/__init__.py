@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "RestoreConfig", "__version__"]
 
 
 def __getattr__(name: str):
@@ -16,7 +16,7 @@ def __getattr__(name: str):
         from .engine.sampling_params import SamplingParams
 
         return SamplingParams
-    if name in ("EngineConfig", "CacheConfig", "SchedulerConfig"):
+    if name in ("EngineConfig", "CacheConfig", "SchedulerConfig", "RestoreConfig"):
         from . import config
 
         return getattr(config, name)

@@ -233,6 +233,8 @@ BENCH_SUITES = {
     "kvserve-profiles": "kvserve_profiles.py",  # KVServe offline profiles (writes the tables kvserve reads)
     "faults": "faults.py",  # fault soak: injected store/backend faults, wrong outputs / stuck / crashes
     "serve": "kvtide.benchmarks.serve",  # load generator for any OpenAI-compatible server
+    "serve-compare": "kvtide.benchmarks.serve_compare",  # several servers in turn under one serve bench
+    "serve-soak": "kvtide.benchmarks.serve_soak",  # kvtide serve under load with hostile requests mixed in
 }
 
 

@@ -39,9 +39,7 @@ class CacheConfig:
     # in one chunked pool; the same budget then holds more pages. BF16 KV only.
     compress: bool = False
     block_size: int = 512  # values per compression block; must divide page_size * head_dim
-    # 2: v1 plus exact-zero escapes (zipformat.py); on the bundled models' KV 91-93% of K blocks compress instead of
-    # 79%, the H200 engine holds 65 8K-token sequences where v1 holds 64, and the CUDA kernel (stage 1) runs as fast
-    # (bench/results/zip_engine_cuda_graphs_h200_v{1,2}_stage1.json, zip_kernel_ab_stage_confirm_h200.json)
+    # 2: v1 plus exact-zero escapes (zip_format.py): more key blocks of real KV compress; the CUDA kernel is as fast
     format_version: int = 2
     # value order inside a page group (kvtide/cache/zip_order.py): "mma" feeds the CUDA decode kernel, "token" the
     # Triton one and every torch path; "auto" = "mma" where the CUDA kernel can serve the model on this device
@@ -49,10 +47,8 @@ class CacheConfig:
     chunk_bytes: int | None = None  # pool chunk size; default: sized from the budget (zip_pages.auto_chunk_bytes)
     private_chunks: int = 1  # chunks each slab owner keeps for itself; the rest are shared across owners
     # pool chunks owned by a size class for all layers instead of by a (layer, size class) slab (kvtide/cache/pool.py):
-    # one layer's free slots serve every layer, one partly used chunk per class instead of one per layer and class.
-    # On the CPU replay of the H200 engine run's pool (bench/zip_page_steps.py, real-KV block classes, 52 then 66
-    # sequences of 8K tokens): 35,365 pages held against 34,772 (+1.7%), 66 without the preemption per-layer slabs
-    # had (bench/results/zip_page_steps_cpu_slabs_real_kv_*.json); host bookkeeping no slower
+    # one layer's free slots serve every layer, one partly used chunk per class instead of one per layer and class,
+    # so the same budget holds more pages at no extra host bookkeeping
     shared_slabs: bool = True
     # decode steps place the pages one step filled over this many steps (1: all in the next step): a batch in
     # lockstep fills a page per sequence in the same step, and placing them all at once made that step host-bound
@@ -135,7 +131,7 @@ class RestoreConfig:
     merge_load_layers: int = 1  # most consecutive layers whose loads share a fetch (1: one per layer; executor)
     load_workers: int | None = None  # threads verifying and staging loads (None: the executor's LoadConfig default)
     load_read_ahead: int | None = None  # fetches booked beyond the one being placed (None: LoadConfig's default)
-    # None: entries hold the KV as is; "zip": in the ZipFusion format (lossless, ~0.75-0.8x the bytes over the link),
+    # None: entries hold the KV as is; "zip": in the ZipFusion format (lossless, fewer bytes over the link),
     # encoded and decoded on the GPU (kvtide/store/zip_entry.py); needs bfloat16 KV
     store_codec: str | None = None
     # host bytes of finished chunks waiting for the store writer; past it new chunks are not queued (counted in
@@ -221,10 +217,9 @@ class EngineConfig:
     # with cuda_graphs, capture each decode step whole, attention included (zip over the CUDA kernel; FlashInfer
     # through its CUDA-graph wrapper): one graph launch per step instead of L + 1 graph launches, 2L eager kernels
     # and the Python between them. The attention plan goes into fixed buffers; a step replays the graph of its batch
-    # size and launch shape. None: whole steps for backends where that measured faster on the H200 (zip), piecewise
-    # for FlashInfer: 0.47 ms more device time per step at 52 x 8K whole (bench/results/zip_engine_full_graphs_h200
-    # .json; by its scheduler source its CUDA-graph plan always splits the KV, a merge per layer). True / False: every
-    # backend that can.
+    # size and launch shape. None: whole steps for zip, where that is faster; piecewise for FlashInfer, whose
+    # CUDA-graph plan always splits the KV (a merge per layer) and so costs more device time whole. True / False:
+    # every backend that can.
     full_cuda_graphs: bool | None = None
     # schedule and launch step N+1 before step N's tokens reach the host (they reach step N+1 on the device), so the
     # host's per-step work (scheduling, page tables, attention plans, compression bookkeeping, outputs) runs while

@@ -38,7 +38,6 @@ OTHER_ENV_VARS = frozenset({
     "KVTIDE_CACHE_DIR",  # models/registry.py: where converted models live
     "KVTIDE_STORE_SECRET",  # store/auth.py: the records' keyed digest when RestoreConfig.secret is unset
     "KVTIDE_PDL_NUDGE",  # engine/cuda_graphs.py
-    "KVTIDE_ZIP_PDL",  # kernels/zip_attention_cuda.py
     "KVTIDE_NVRTC",  # kernels/cuda_jit.py: the NVRTC library
 })
 # fields that set one quantity two ways: the highest layer that sets one of them owns the group (a --num-pages flag

@@ -10,9 +10,11 @@ import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
 
 from .datasets import BenchRequest
+from ..extras import require
+
+httpx = require("httpx", "bench", "kvtide bench serve")
 
 
 @dataclass

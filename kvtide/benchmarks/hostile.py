@@ -12,7 +12,9 @@ import random
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-import httpx
+from ..extras import require
+
+httpx = require("httpx", "bench", "kvtide bench serve-soak")
 
 
 @dataclass(frozen=True)

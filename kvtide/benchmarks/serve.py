@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 from ..log import get_logger
 from .client import RequestResult, stream_completion
@@ -24,6 +23,9 @@ from .datasets import (BenchRequest, TokenRange, arrival_times, prefix_repetitio
                        trace_requests)
 from .header import machine_header
 from .summary import SLO, summarize
+from ..extras import require
+
+httpx = require("httpx", "bench", "kvtide bench serve")
 
 log = get_logger("bench.serve")
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"

@@ -17,11 +17,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 
 from . import serve as bench_serve
 from .header import machine_header
 from .serve_soak import _free_port, _rss_mb
+from ..extras import require
+
+httpx = require("httpx", "bench", "kvtide bench serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{port}"
         log_path = out.with_name(f"{out.stem}.{label}.log")
         proc = _start(command, port, log_path)
+        ok_log = False  # a server's log is kept only when it failed
         try:
             ready = _wait_ready(proc, base, a.ready_timeout, log_path)
             print(f"{label}: ready in {ready:.1f} s", flush=True)
@@ -90,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             res = asyncio.run(bench_serve.bench(args))
             res.update(command=command, ready_seconds=ready, server_rss_mb=_rss_mb(proc.pid))
             results.append(res)
+            ok_log = True
         except Exception as e:  # noqa: BLE001 - one server's failure is reported; the others still run
             print(f"{label}: failed: {e}", flush=True)
             failed.append({"label": label, "command": command, "error": str(e)[-3000:]})
         finally:
             _stop(proc)
+            if ok_log:
+                log_path.unlink(missing_ok=True)
     doc = {"header": machine_header(argv), "bench_args": rest, "servers": results, "failed": failed}
     out.write_text(json.dumps(bench_serve._json_safe(doc), indent=1) + "\n")
     if results:

@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 from .client import RequestResult, stream_completion
 from .datasets import random_requests
@@ -31,6 +30,9 @@ from .header import machine_header
 from .hostile import KINDS, Target, send_hostile
 from .serve import _json_safe, run_rate
 from .summary import summarize
+from ..extras import require
+
+httpx = require("httpx", "bench", "kvtide bench serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +210,28 @@ async def _soak(a: argparse.Namespace, proc: subprocess.Popen, base: str) -> dic
     }
 
 
+def plot(doc: dict, png: Path) -> None:
+    """The server's RSS and its running requests over the soak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t"] for s in doc["samples"]]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.plot(t, [s.get("rss_mb") for s in doc["samples"]], "-", label="server RSS (MB)")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS (MB)")
+    ax2 = ax.twinx()
+    ax2.plot(t, [s.get("num_requests_running") for s in doc["samples"]], ":", color="gray", label="running")
+    ax2.set_ylabel("requests running")
+    ax.set_title(f"serve soak: {doc['requests']} requests, {doc['hostile_sent']} hostile, "
+                 f"{doc['5xx_not_503']} 5xx (not 503), {doc['stuck']} stuck")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if not 0 <= a.hostile_fraction < 1 or not 0 < a.load <= 1 or a.duration <= 0:
@@ -248,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait()
     out = {"header": machine_header(argv), "serve_args": a.serve_args, **res}
     Path(a.out).write_text(json.dumps(_json_safe(out), indent=1) + "\n")
+    try:
+        plot(out, Path(a.out).with_suffix(".png"))
+    except ImportError:
+        pass
     log_path.unlink(missing_ok=True) if res["exit_code"] == 0 else None
     ok = res["5xx_not_503"] == 0 and res["stuck"] == 0 and res["exit_code"] == 0 \
         and not res["left_in_server"].get("num_requests_running")

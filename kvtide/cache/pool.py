@@ -1,29 +1,11 @@
 """Chunk allocator for the compressed KV pool: slabs of fixed-size slots, per layer or shared by all layers.
 
-The pool's bytes are cut into equal chunks. A chunk is either free or owned by one layer and one *size
-class*; an owned chunk is cut into equal slots of its class's size. Classes are the sizes a group can take:
-class k = a group with k compressed blocks (k = 0 .. blocks per group), ``slot_bytes[k] = raw - k * B / 2``.
-Class 0 (the raw size) holds both pages being written and groups that stayed all-raw after compression.
-
-Why slabs: every slot in a chunk has one size, so allocation and freeing are O(1) list operations with no
-search and no compaction, a freed slot is reused by the next group of the same layer and class, and the
-only waste is measurable at any time (``stats``): free slots of compressed classes inside owned chunks (a
-partly used chunk per layer and class), the chunk tail that a slot size does not divide, and groups compressed
-in place (counted by the store). Free raw slots are not waste: new pages take them first. A chunk
-that empties returns at once (reads only happen inside a step, frees only between steps or after its
-reads): to its layer's private list if it is one of the layer's private chunks, else to the shared list.
-
-Shared slabs (``PoolGeometry.shared_slabs``): chunks are owned by a size class for all layers at once, so a
-layer's free slots serve every layer and there is one partly used chunk per class instead of one per layer and
-class. Readers only follow the lookup tables' byte offsets, so nothing else changes; "layer" below then means the
-one owner all layers share.
-
-Capacity (``new_pages_fit``): how many new pages fit across all layers at their raw size, i.e. how many
-times every layer can still get ``groups_per_page`` class-0 slots: from free class-0 slots of its own,
-then its free private chunks, then shared chunks, which all layers compete for. With ``reserve=True``
-(the figure the scheduler admits by) one chunk is also held back for each (layer, compressed class) slab
-that has no free slot, since the next compression may open it; allocation of growth pages may use them
-(``reserve=False``): compression then finishes in place rather than fail.
+The pool's bytes are cut into equal chunks; a chunk is free, or owned by one layer (with shared slabs: by all layers)
+and one *size class* and cut into slots of that class's size. Class k = a group with k compressed blocks,
+``slot_bytes[k] = raw - k * B / 2``; class 0 (raw) holds pages being written and groups that stayed raw. A chunk
+that empties returns at once (to its layer's private list, else the shared one). ``new_pages_fit``: how many new
+pages fit in every layer at raw size; with ``reserve=True`` (what the scheduler admits by) one chunk is held back per
+(layer, compressed class) slab that has no free slot. Why slabs, and what counts as waste: docs/design/pool.md.
 """
 from __future__ import annotations
 
@@ -31,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import zipblocks as zb
+from . import zip_blocks as zb
 
 
 @dataclass(frozen=True)
 class PoolGeometry:
-    """Sizes that fix the allocator: all bytes, all multiples of 16 (zipblocks.ALIGN)."""
+    """Sizes that fix the allocator: all bytes, all multiples of 16 (zip_blocks.ALIGN)."""
 
     num_layers: int
     groups_per_page: int  # per layer: kv_heads * 2 (K and V)
@@ -102,8 +84,8 @@ class ChunkPool:
         self.last_owner = np.full(n, -1, dtype=np.int64)
         self._slot_bytes = [geo.slot_bytes(k) for k in range(geo.num_classes)]  # per class, looked up per slot
         self.slot_bytes_by_class = np.array(self._slot_bytes, dtype=np.int64)  # for numpy lookups
-        # chunk ids as sort keys: numpy's stable sort of 16-bit integers is a radix sort, ~10x faster than of int64
-        # (an eviction frees ~300K slots in a step at the 8B shape, whose 55,143 chunks fit 16 bits)
+        # chunk ids as sort keys: numpy's stable sort of 16-bit integers is a radix sort, much faster than of int64
+        # (an eviction may free hundreds of thousands of slots in one step; tens of thousands of chunks fit 16 bits)
         self._chunk_key = np.uint16 if n <= 1 << 16 else np.int64
 
     # ---- allocation -------------------------------------------------------------------------
@@ -174,7 +156,7 @@ class ChunkPool:
         """Give back slots by their byte offsets (any layers and classes). Grouped by chunk with numpy: a compression
         step frees tens of thousands of raw slots, and an eviction of hundreds of compressed pages a few hundred
         thousand slots in ~30K chunks; the per-chunk loop keeps only what must run in order (free lists, open
-        slabs, returns), about 1 us a chunk (it was ~8 us: numpy scalars and small arrays per chunk)."""
+        slabs, returns), with no numpy scalars or small arrays per chunk."""
         offs = np.asarray(offsets, dtype=np.int64).ravel()
         if not offs.size:
             return

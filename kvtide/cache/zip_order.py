@@ -1,6 +1,6 @@
 """Value order inside a ZipFusion group: which of a page's [page_size, head_dim] values each stored slot holds.
 
-The format (:mod:`kvtide.cache.zipformat`) cuts a group's values into blocks in *stored* order; this module says
+The format (:mod:`kvtide.cache.zip_format`) cuts a group's values into blocks in *stored* order; this module says
 what that order is. Two orders exist:
 
 * ``token`` (the default): row-major [token, dim], value index = token * head_dim + dim. A 512-value block of a
@@ -14,10 +14,10 @@ what that order is. Two orders exist:
     - V (A operand of O^T = V^T P^T, rows = dims): dim = 16 ks + g + 8 (r & 1), token = 2 t + (e & 1) + 8 (r >> 1)
   So a lane reads its 16 values with one 16-byte load of the low plane and one 8-byte load of the code plane
   (two 16-byte loads for a raw block) and rebuilds them straight into MMA registers: no shuffle, no shared memory.
-  Blocks of 16 tokens x 32 dims compress at least as often as 4 x 128 on the bundled models' real KV (K 79.3% vs
-  77.8% of blocks, V 93.0% vs 92.6%, format v1), since a key's outlier channels spoil fewer blocks.
+  Blocks of 16 tokens x 32 dims compress at least as often as 4 x 128 on the bundled models' real KV, since a key's
+  outlier channels spoil fewer blocks (docs/design/pool.md).
 
-The order is a property of a store (``ZipGeometry.value_order``): it changes where ``write`` puts a token's values
+The order is a property of a pool (``ZipGeometry.value_order``): it changes where ``write`` puts a token's values
 and how ``read_pages`` gathers them back, nothing else (analysis, packing and compression see only stored order).
 """
 

@@ -6,18 +6,18 @@ STORAGE CONTRACT (what attention backends and kernels read; keep to it exactly)
   int32 for wide loads; its length is a multiple of 16). It is cut into chunks of ``chunk_bytes``; a chunk
   belongs to one layer at a time, or with shared slabs to one size class of every layer (see
   :mod:`kvtide.cache.pool`).
-* A *group* is (layer, page, kv_head, K|V): ``page_size x head_dim`` BF16 values in the store's value order
+* A *group* is (layer, page, kv_head, K|V): ``page_size x head_dim`` BF16 values in the pool's value order
   (``geo.value_order``, :mod:`kvtide.cache.zip_order`: "token" = [token, dim], value index = token * head_dim + dim;
   "mma" = the CUDA kernel's fragment order), cut into ``blocks_per_group`` blocks of ``block_size`` values
   (``block_size`` divides ``page_size * head_dim``; head_dim 64, page 16, block 512 -> 2 blocks of 8 tokens).
 * ``group_start[layer]``: int64 [num_page_ids, kv_heads, 2] byte offset in ``pool`` of the group's first
   block (index 0 = K, 1 = V), 16-byte aligned. ``group_desc[layer]``: uint8 [num_page_ids, kv_heads, 2,
-  blocks_per_group], the format's descriptors (:mod:`kvtide.cache.zipformat`; ``0xFF`` = raw block,
+  blocks_per_group], the format's descriptors (:mod:`kvtide.cache.zip_format`; ``0xFF`` = raw block,
   else compressed with base 2 * desc; version 2 adds ``0x80 | b/2`` zero-escape blocks). Both tables are
   also whole tensors (``group_start_all`` [L, ...], ``group_desc_all`` [L, ...]) indexed by layer first.
 * The blocks of a group follow each other from its start: block j is at start + sum of the sizes of
   blocks 0..j-1 (raw 2 * block_size bytes, compressed 1.5 * block_size bytes), the in-block byte
-  arrangement being zipformat's. A raw group is therefore just its 2 * page_size * head_dim bytes of BF16
+  arrangement being zip_format's. A raw group is therefore just its 2 * page_size * head_dim bytes of BF16
   values in [token, dim] order.
 * Indexing is by the engine's page id, which never changes; entries of pages not held are stale (0 / 0xFF)
   and must not be read. ``format_version`` says which descriptors may appear.
@@ -26,21 +26,22 @@ STORAGE CONTRACT (what attention backends and kernels read; keep to it exactly)
   steps split it into ``compress_begin`` and ``compress_finish`` one step later, the page raw meanwhile) re-encodes it
   into a new place of its size class and frees the raw bytes; groups whose blocks all stayed raw keep their
   place; if no destination is free, and evicting cached pages (``evictor``, the engine's block manager) frees
-  none, the group is compressed in place (through a staging copy, since ``zipblocks.pack`` must not alias its
+  none, the group is compressed in place (through a staging copy, since ``zip_blocks.pack`` must not alias its
   source). No uncompressed copy of a compressed page remains.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
-from . import zipblocks as zb
+from . import zip_blocks as zb
 from . import zip_order
-from . import zipformat as zf
+from . import zip_format as zf
 from .pool import ChunkPool, PoolGeometry
 
 RAW, COMPRESSED, ABSENT = 0, 1, -1
@@ -48,7 +49,7 @@ RAW, COMPRESSED, ABSENT = 0, 1, -1
 
 @dataclass(frozen=True)
 class ZipGeometry:
-    """Model and format shape of the store; checked here so a bad config fails before memory is taken."""
+    """Model and format shape of the pool; checked here so a bad config fails before memory is taken."""
 
     num_layers: int
     num_kv_heads: int
@@ -115,6 +116,17 @@ def _by_class(idx: np.ndarray, cls: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(int(c[a]), idx[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+@dataclass(frozen=True)
+class PoolKernels:
+    """Device kernels a pool on a GPU runs instead of its torch code, with the same bytes out: the fused write and
+    the encode's analyse and pack passes. Handed in by whoever builds the pool (the engine binds
+    ``kvtide.kernels``' Triton kernels), so this package imports no kernel module."""
+
+    write_pool: Callable[..., None]  # kv_write.write_pool(pool16, group_start, stored_pos, k, v, slot_mapping, page_size)
+    analyze: Callable[..., torch.Tensor]  # zip_encode.analyze(blocks_bf16, block_size, version) -> descriptors
+    pack: Callable[..., None]  # zip_encode.pack(blocks_bf16, desc, offsets, pool, block_size, check=...)
+
+
 @dataclass
 class _PendingCompression:
     """A compression begun on the device (staged bytes, block descriptors, group classes on their way to the host)."""
@@ -133,9 +145,11 @@ class ZipPagedKV:
     tokens, compress filled pages, rebuild pages as BF16, capacity and statistics."""
 
     def __init__(self, geo: ZipGeometry, budget_bytes: int, device: torch.device | str = "cpu",
-                 chunk_bytes: int | None = None, private_chunks: int = 1, shared_slabs: bool = True):
+                 chunk_bytes: int | None = None, private_chunks: int = 1, shared_slabs: bool = True,
+                 kernels: PoolKernels | None = None):
         self.geo = geo
         self.device = torch.device(device)
+        self.kernels = kernels  # device kernels for write and compression (None: the torch code)
         chunk_bytes = chunk_bytes or auto_chunk_bytes(geo, budget_bytes)
         num_chunks = budget_bytes // chunk_bytes
         if num_chunks < 1:
@@ -175,10 +189,10 @@ class ZipPagedKV:
         self._mma = geo.value_order != "token"
         # stored position of each natural (token * head_dim + dim) value, K and V: [2, page_size * head_dim]
         self._stored_pos = zip_order.natural_to_stored(geo.value_order, geo.page_size, geo.head_dim, self.device)
-        # write: one Triton launch per layer on a GPU (kvtide.kernels.kv_write) instead of ~5 torch ops; the torch
-        # code stays on the CPU (the reference, and fast enough there). Tests set it on a CPU store to run the
-        # kernel in the Triton interpreter.
-        self.fused_write = self.device.type == "cuda"
+        # write: one kernel launch per layer on a GPU (``kernels.write_pool``) instead of ~5 torch ops; the torch
+        # code stays on the CPU (the reference, and fast enough there). Tests set it on a CPU pool given kernels to
+        # run the kernel in the Triton interpreter.
+        self.fused_write = kernels is not None and self.device.type == "cuda"
         self.counters = {"pages_compressed": 0, "pages_allocated": 0, "groups_in_place": 0, "in_place_waste_bytes": 0,
                          "evictions_for_compression": 0,
                          "k_stored_bytes": 0, "v_stored_bytes": 0, "k_raw_bytes": 0, "v_raw_bytes": 0}
@@ -214,8 +228,8 @@ class ZipPagedKV:
         if self.alloc.geo.num_owners == 1:
             # one slab owner (shared slabs): one pass over its open chunks for all layers, which hands out the slots
             # one call per layer would, in the same order; each call sorts every open raw chunk, and with thousands
-            # of them (raw slots freed by compression all over the pool) 32 calls took 4-14 ms of a page step's
-            # host time at 16-32 sequences on the H200 host (bench/results/zip_engine_small_nudge_h200.json)
+            # of them (raw slots freed by compression all over the pool) one call per layer is a large share of a
+            # page step's host time
             flat = self.alloc.alloc(0, 0, n * g.num_layers)
             taken = [flat[i * n:(i + 1) * n] for i in range(g.num_layers)] if len(flat) == n * g.num_layers \
                 else [flat]
@@ -257,9 +271,9 @@ class ZipPagedKV:
     # ---- data path -------------------------------------------------------------------------------
     def write_rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer-independent part of :meth:`write`'s index: (page of each token, its value offsets within a
-        group [T, 1, 1, D], or [T, 1, 2, D] in the "mma" order, where K and V differ). Plan it once per step and pass it to every layer's write (plan/run split): a layer's write
-        then issues ~5 ops instead of ~9, which matters where each op is a kernel launch; on the CPU the copy
-        dominates (bench/host_overhead.py: 20.4 vs 21.5 ms per step, ~5%)."""
+        group [T, 1, 1, D], or [T, 1, 2, D] in the "mma" order, where K and V differ). Plan it once per step and
+        pass it to every layer's write (plan/run split): a layer's write then issues ~5 ops instead of ~9, which
+        matters where each op is a kernel launch; on the CPU the copy dominates."""
         g = self.geo
         rel = ((slot_mapping % g.page_size) * g.head_dim)[:, None, None, None] + self._value_idx[: g.head_dim]
         if self._mma:
@@ -272,9 +286,7 @@ class ZipPagedKV:
         ``rows``: :meth:`write_rows` of the same ``slot_mapping``, planned once for all layers (unused by the fused
         write, which computes each value's place in its one launch)."""
         if self.fused_write:
-            from ..kernels import kv_write
-
-            kv_write.write_pool(self._pool16, self.group_start[layer], self._stored_pos if self._mma else None,
+            self.kernels.write_pool(self._pool16, self.group_start[layer], self._stored_pos if self._mma else None,
                                 k, v, slot_mapping, self.geo.page_size)
             return
         pages, rel = self.write_rows(slot_mapping) if rows is None else rows
@@ -307,8 +319,8 @@ class ZipPagedKV:
         """First half of :meth:`compress`, for the engine's decode loop: stage the pages' bytes and classify their
         blocks on the device now (enqueued after this step's attention reads), bring the classes to pinned host
         memory without waiting. :meth:`compress_finish`, called once the next step's forward is enqueued, places
-        them on the host while the device runs that step: the host placement (tens of ms per 65 pages at the 8B
-        shape) then overlaps device work instead of adding to the step. Until then the pages stay raw and readable;
+        them on the host while the device runs that step: the host placement (the larger share of a page step's
+        host time at a large batch) then overlaps device work instead of adding to the step. Until then the pages stay raw and readable;
         one released (or released and allocated again) meanwhile is skipped."""
         pending = {p: g for job in self._pending for p, g in zip(job.pids[job.done:], job.generations[job.done:].tolist())}
         pids = [p for p in pids if self.state[p] == RAW and pending.get(p) != self._generation[p]]
@@ -338,8 +350,8 @@ class ZipPagedKV:
     def compress_finish(self, max_pages: int | None = None) -> None:
         """Second half of :meth:`compress`: place begun compressions, pack them, switch the tables over; oldest
         first, at most ``max_pages`` pages (None: all). Why a limit: in a batch decoding in lockstep every sequence
-        fills a page in the same step, and placing all of them (~15 ms of host time for 66 pages at the 8B shape)
-        in one step makes that step host-bound under async scheduling; a few pages per step hide behind the device.
+        fills a page in the same step, and placing all of them (host work per page) in one step makes that step
+        host-bound under async scheduling; a few pages per step hide behind the device.
         Pages not yet finished stay raw and readable, as between the two halves."""
         budget = math.inf if max_pages is None else max_pages
         while self._pending and budget > 0:
@@ -400,7 +412,7 @@ class ZipPagedKV:
         self._count_stored(pids, +1)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        """A host array on the store's device without a host sync. A copy from pageable memory waits for the stream,
+        """A host array on the pool's device without a host sync. A copy from pageable memory waits for the stream,
         i.e. in compress_finish for the whole forward the step just enqueued; on CUDA the array goes through pinned
         memory, non-blocking. On the CPU the tensor shares the array's memory (callers pass arrays they keep as is)."""
         t = torch.from_numpy(np.ascontiguousarray(a))
@@ -442,9 +454,8 @@ class ZipPagedKV:
         (no open chunk, no free chunk), cached pages are evicted (``evictor``) until one can; once none are left,
         every later allocation would come back empty and every free would free nothing, so the rest is compressed
         in place at once. Why evict first: a group in place holds a raw-size slot (up to a quarter more) as long as
-        its page lives, while the cached pages would go first anyway when new pages need room. On the CPU replay
-        of the H200 run's pool (real-KV classes, bench/results/zip_page_steps_cpu_compress_evictions_*.json) it
-        let 67 sequences of 8K decode where the pool preempted before.
+        its page lives, while the cached pages would go first anyway when new pages need room: a full pool then
+        keeps decoding where it would preempt (docs/design/pool.md).
         """
         todo = np.flatnonzero(cls > 0)
         if not todo.size:
@@ -510,18 +521,15 @@ class ZipPagedKV:
         return np.asarray(groups, dtype=np.int64), waste.astype(np.int64)
 
     def _analyze(self, blocks: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            from ..kernels import zip_encode
-
-            return zip_encode.analyze(blocks.view(torch.bfloat16), self.geo.block_size, self.geo.format_version).view(-1)
+        if self.kernels is not None and self.device.type == "cuda":
+            return self.kernels.analyze(blocks.view(torch.bfloat16), self.geo.block_size,
+                                        self.geo.format_version).view(-1)
         return zb.analyze(blocks, self.geo.format_version)
 
     def _pack(self, blocks: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            from ..kernels import zip_encode
-
-            zip_encode.pack(blocks.view(torch.bfloat16).reshape(desc.shape[0], -1), desc, offsets, self.pool,
-                            self.geo.block_size, check=False)  # placed by the allocator, checked on the host
+        if self.kernels is not None and self.device.type == "cuda":
+            self.kernels.pack(blocks.view(torch.bfloat16).reshape(desc.shape[0], -1), desc, offsets, self.pool,
+                              self.geo.block_size, check=False)  # placed by the allocator, checked on the host
         else:
             zb.pack(blocks, desc.reshape(-1), offsets.reshape(-1), self.pool)
 

@@ -4,8 +4,8 @@ Page ids are indices into the per-layer KV tensors. A full page gets a chained h
 freed page keeps its hash and contents until it is handed out again, so a later request with the same prefix can
 take it back. Hits are verified against the page's stored tokens, so a hash collision cannot serve wrong KV.
 
-With a `PageStore` (the compressed pool, `kvtide.cache.zip_pages`) page ids are only names: bytes come from the
-store, which says how many new raw pages fit. Then `free` holds only cached pages (their bytes still held, evicted
+With a `CompressedPagePool` (``kvtide.cache.zip_pages.ZipPagedKV``) page ids are only names: bytes come from the
+pool, which says how many new raw pages fit. Then `free` holds only cached pages (their bytes still held, evicted
 LRU-first when bytes run short), a released page without a hash gives its bytes back at once, and `unused` holds
 the ids that own nothing.
 """
@@ -27,8 +27,8 @@ def page_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
-class PageStore(Protocol):
-    """Byte storage behind page ids (the compressed pool); see kvtide.cache.zip_pages.ZipPagedKV."""
+class CompressedPagePool(Protocol):
+    """Byte storage behind page ids: the compressed pool (kvtide.cache.zip_pages.ZipPagedKV), as this class uses it."""
 
     num_page_ids: int
 
@@ -39,10 +39,10 @@ class PageStore(Protocol):
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 store: PageStore | None = None):
-        self.store = store
-        if store is not None:
-            num_pages = store.num_page_ids
+                 pool: CompressedPagePool | None = None):
+        self.pool = pool
+        if pool is not None:
+            num_pages = pool.num_page_ids
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
@@ -53,8 +53,8 @@ class BlockManager:
         self.page_tokens: list[tuple[int, ...] | None] = [None] * num_pages
         self.hash_to_page: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_pages))  # LRU first
-        self.unused: deque[int] = deque()  # store mode: ids holding no bytes
-        if store is not None:
+        self.unused: deque[int] = deque()  # pool mode: ids holding no bytes
+        if pool is not None:
             self.free, self.unused = OrderedDict(), deque(range(num_pages))
         self.seq_hashes: dict[str, list[bytes]] = {}  # chained hashes of each sequence's full pages
         self.stats = {"prefix_queries": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0, "evictions": 0}
@@ -73,33 +73,33 @@ class BlockManager:
     # ---- capacity -------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        """New pages that fit now (store mode: in free bytes, cached pages not counted)."""
-        if self.store is not None:
-            return self.store.free_pages()
+        """New pages that fit now (pool mode: in free bytes, cached pages not counted)."""
+        if self.pool is not None:
+            return self.pool.free_pages()
         return len(self.free)
 
     def can_admit(self, hits: list[int], fresh: int, reserve: int) -> bool:
         """Whether prefix hits plus `fresh` new pages fit with `reserve` pages left for running sequences.
 
-        Store mode evicts cached pages (LRU first, never the hits) until the new pages fit at raw size.
+        Pool mode evicts cached pages (LRU first, never the hits) until the new pages fit at raw size.
         """
-        if self.store is None:
+        if self.pool is None:
             revived = sum(1 for pid in hits if self.ref_count[pid] == 0)  # hits sitting in the free list
             return revived + fresh + reserve <= len(self.free)
         return self._make_room(fresh + reserve, reserve=True, keep=set(hits))
 
     def _make_room(self, pages: int, reserve: bool, keep: set[int] = frozenset()) -> bool:
         """Evict cached pages, least recently used first, until ``pages`` new pages fit. As many victims at a
-        time as pages are missing (a compressed page frees at most about one raw page's room), so a full pool
-        asks the store's capacity a few times per step instead of once per victim."""
-        while (short := pages - self.store.free_pages(reserve)) > 0:
+        time as pages are missing (a compressed page frees at most about one raw page's room), so with a full pool
+        the capacity is asked a few times per step instead of once per victim."""
+        while (short := pages - self.pool.free_pages(reserve)) > 0:
             if not self.evict_lru(short, keep):
                 return False
         return True
 
     def evict_lru(self, n: int, keep: set[int] | frozenset[int] = frozenset()) -> int:
         """Evict up to ``n`` cached pages, least recently used first, never those in ``keep``; returns how many.
-        Store mode: the compressed pool calls it (``ZipPagedKV.evictor``) when a page it compresses finds no slot
+        Pool mode: the compressed pool calls it (``ZipPagedKV.evictor``) when a page it compresses finds no slot
         of a group's size class, rather than compress that group in place, which would hold a raw-size slot for
         as long as the page lives."""
         victims = list(islice((pid for pid in self.free if pid not in keep), n))
@@ -109,7 +109,7 @@ class BlockManager:
         for pid in victims:
             del self.free[pid]
             self._forget(pid)
-        self.store.release_pages(victims)
+        self.pool.release_pages(victims)
         self.unused.extend(victims)
         self.stats["evictions"] += len(victims)
         return len(victims)
@@ -122,9 +122,9 @@ class BlockManager:
         for pid in victims:
             self._forget(pid)
             n += 1
-            if self.store is not None:  # store mode: a free page holds bytes only while it is cached
+            if self.pool is not None:  # pool mode: a free page holds bytes only while it is cached
                 del self.free[pid]
-                self.store.release_pages([pid])
+                self.pool.release_pages([pid])
                 self.unused.append(pid)
         self.stats["evictions"] += n
         return n
@@ -142,11 +142,27 @@ class BlockManager:
         return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
 
     # ---- prefix cache ---------------------------------------------------------------------------
-    def _lookup(self, h: bytes, tokens: tuple[int, ...]) -> int | None:
+    def cached_page(self, h: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The page cached under chained hash ``h`` if it still holds ``tokens`` (verified), else None."""
         pid = self.hash_to_page.get(h)
         if pid is None or self.page_tokens[pid] != tokens:
             return None
         return pid
+
+    def cached_pages(self, hashes: tuple[bytes, ...] | list[bytes], tokens: list[int]) -> list[int] | None:
+        """The pages of a run of full pages (chained ``hashes``, their ``tokens`` in order) while every one of
+        them is still cached; None once any is gone."""
+        p = self.page_size
+        pids = [self.cached_page(h, tuple(tokens[i * p:(i + 1) * p])) for i, h in enumerate(hashes)]
+        return None if any(pid is None for pid in pids) else pids
+
+    def hash_of(self, pid: int) -> bytes | None:
+        """The chained hash of the tokens page ``pid`` holds (None: it holds no committed full page)."""
+        return self.page_hashes[pid]
+
+    def committed_hashes(self, seq: Sequence) -> list[bytes]:
+        """Chained hashes of ``seq``'s full pages committed so far (its first pages first)."""
+        return list(self.seq_hashes.get(seq.request_id, ()))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached pages for the longest prefix of `seq`, leaving at least one token to compute (for logits)."""
@@ -158,7 +174,7 @@ class BlockManager:
         for i in range(usable):
             toks = tuple(ids[i * self.page_size:(i + 1) * self.page_size])
             parent = page_hash(parent, toks)
-            pid = self._lookup(parent, toks)
+            pid = self.cached_page(parent, toks)
             if pid is None:
                 break
             hits.append(pid)
@@ -190,11 +206,11 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s page table to hold `num_tokens` tokens; False (and no change) if pages run out."""
         need = self.pages_needed(seq, num_tokens)
-        if self.store is not None:
+        if self.pool is not None:
             if need and not self._make_room(need, reserve=False):
                 return False
             pids = [self.unused.popleft() for _ in range(need)]
-            self.store.alloc_pages(pids)
+            self.pool.alloc_pages(pids)
             for pid in pids:
                 self.ref_count[pid] = 1
             seq.pages.extend(pids)
@@ -215,13 +231,13 @@ class BlockManager:
         pages may have been evicted in the attempt, as the one-by-one path would have too).
 
         Decode sequences run in lockstep, so every 16th step each needs one page: one capacity check and one
-        ``alloc_pages`` for all of them (store mode) instead of one per sequence, which cost ~0.7 ms each on the
-        host (32 layers' slot allocation, a capacity search, ~6 device ops)."""
+        ``alloc_pages`` for all of them (pool mode) instead of one per sequence, each of which is host work of its
+        own (slot allocation in every layer, a capacity search, a few device ops)."""
         needs = [self.pages_needed(seq, n) for seq, n in items]
         total = sum(needs)
         if not total:
             return True
-        if self.store is None:
+        if self.pool is None:
             if total > len(self.free):
                 return False
             for seq, n in items:
@@ -230,7 +246,7 @@ class BlockManager:
         if not self._make_room(total, reserve=False):
             return False
         pids = [self.unused.popleft() for _ in range(total)]
-        self.store.alloc_pages(pids)
+        self.pool.alloc_pages(pids)
         it = iter(pids)
         for (seq, _), need in zip(items, needs):
             new = [next(it) for _ in range(need)]
@@ -267,12 +283,12 @@ class BlockManager:
             self.ref_count[pid] -= 1
             assert self.ref_count[pid] >= 0, "page reference count went negative"
             if self.ref_count[pid] == 0:
-                if self.store is not None and self.page_hashes[pid] is None:
+                if self.pool is not None and self.page_hashes[pid] is None:
                     dropped.append(pid)  # nothing to reuse it for: give its bytes back now
                 else:
                     self.free[pid] = None
         if dropped:
-            self.store.release_pages(dropped)
+            self.pool.release_pages(dropped)
             self.unused.extend(dropped)
         seq.pages = []
         self.seq_hashes.pop(seq.request_id, None)

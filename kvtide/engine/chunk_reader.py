@@ -12,8 +12,8 @@ from .model_runner import ModelRunner
 def gather_layer(runner: ModelRunner, layer: int, idx: torch.Tensor) -> torch.Tensor:
     """[2, pages * page_size, kv_heads, head_dim] of one layer, on the KV's device: a new tensor (the gather and
     the permute copy), never a view of the cache."""
-    if runner.store is not None:
-        pages = runner.store.read_pages(layer, idx)
+    if runner.pool is not None:
+        pages = runner.pool.read_pages(layer, idx)
     else:
         pages = runner.kv_caches[layer].index_select(0, idx)
     n, _, p, hk, d = pages.shape
@@ -41,9 +41,7 @@ class ChunkReader:
     queued request waits. One buffer per chunk, not per request or per layer: every buffer is the same size, so torch's
     pinned cache (which rounds sizes up to powers of two and reuses a block for its own size only) serves them from
     blocks freed by earlier chunks instead of growing (``cudaHostAlloc``, on the step loop), and the writer frees
-    each one as soon as that chunk is written. H200 trace replays (2026-12-01, bench/results/HISTORY.md): with buffers
-    per request or per layer one replay phase in three spent 0.86-1.03 s of step loop in the copy-out instead of
-    0.05-0.10 s; with per-chunk buffers the cache grew 0-4 times a phase, for at most 0.11 s. On the CPU the gather is
+    each one as soon as that chunk is written (docs/design/engine.md has the measurements). On the CPU the gather is
     the copy.
 
     ``encode_bytes``: how much KV is handled per side-stream pass (bounds the device buffers it holds at once).
@@ -75,10 +73,7 @@ class ChunkReader:
         """Like ``read``, each entry encoded in the ZipFusion format (``RestoreConfig.store_codec``).
 
         Encoded a few chunks per launch pair (on CUDA the Triton analyse and pack kernels, fixed slots, no host
-        sync). Encoding layer by layer cost the step loop ~20 ms of host time per 8K-token request of the 8B shape
-        (H200 trace replays, 2026-11-30: ~25 torch calls and two Triton launches per layer); encoding many chunks
-        per launch, 3.4 ms with one pinned buffer a request and 4.2 ms with one a chunk (``bench/zip_write_path.py``,
-        bench/results/zip_write_path*_h200.json)."""
+        sync): layer by layer, each layer's ~25 torch calls and two launches would be step-loop host time."""
         k, shape, n = self._geometry(page_ids, chunk)
         L = self.runner.model.args.num_layers
         out = []
@@ -139,7 +134,7 @@ class ChunkReader:
         r = self.runner
         L, p = r.model.args.num_layers, r.page_size
         idx = torch.tensor(page_ids, dtype=torch.long, device=r.device)
-        if r.store is not None:  # the compressed pool: its own read path
+        if r.pool is not None:  # the compressed pool: its own read path
             return torch.cat([chunk_groups(gather_layer(r, i, idx), chunk) for i in range(L)])
         caches = r.kv_caches
         half = caches[0][0, 0].numel()

@@ -1,25 +1,10 @@
 """CUDA graphs for decode steps (``EngineConfig.cuda_graphs``): whole steps where the attention backend can be
-captured (:class:`FullDecodeGraph`, ``EngineConfig.full_cuda_graphs``), else piecewise: the model between attention
-calls replays as captured graphs and attention runs eagerly between them (:class:`DecodeGraph`).
+captured (:class:`FullDecodeGraph`, ``EngineConfig.full_cuda_graphs``: the backend plans into fixed buffers through
+``AttentionBackend.plan_graph``), else piecewise (:class:`DecodeGraph`): the model between attention calls replays as
+captured graphs and attention runs eagerly between them. Why each: docs/design/engine.md.
 
-Why whole steps: measured on the H200 (8B shape, bench/results/zip_engine_profile_piecewise_h200.json), a piecewise
-zip step spent ~11 ms of host time launching its 33 graphs and 64 eager kernels, with the step's other host work close
-to the 18-21 ms the device took, so under async scheduling a slower host or one slow step left the device idle. A
-captured step is one launch. What it needs from the backend (``AttentionBackend.plan_graph``): a plan written into
-fixed buffers, read by kernels whose launch arguments do not change from step to step of one batch size and launch
-shape (the graph's key).
-
-Why piecewise (backends that cannot be captured, or whose captured form is slower): a plain attention call's launch
-parameters change every step (page tables, lengths, split counts) and the compressed pool's tables move as pages
-compress, while everything else in a decode step (embedding, norms, projections, RoPE, MLP, LM head) has fixed shapes
-for a fixed batch size. On the H200 (Llama-3.1-8B shape) eager decode steps were host-bound: ~28 ms per step at
-every batch from 16 to 64, most of it Python and launches in the model (bench/results/zip_engine_h200_profile_log.txt).
-Here a step is L + 1 graph replays and L attention calls.
-
-How: the model is run once under capture with a stand-in attention (:class:`_Segments`) that ends the running
-capture at each attention call, keeps that layer's q/k/v (outputs of the graph just captured, at fixed addresses)
-and returns a fixed buffer that the next segment, captured from there on, reads as the attention output. Replay:
-segment i, then the real attention on q/k/v of layer i copied into that buffer, then segment i + 1. All segments of
+Piecewise capture runs the model once with a stand-in attention (:class:`_Segments`) that ends the running capture
+at each attention call and returns a fixed buffer the next segment reads as the attention output. All segments of
 one batch size share one memory pool and replay in capture order, as torch requires of graphs sharing a pool.
 """
 from __future__ import annotations
@@ -33,12 +18,9 @@ import torch
 from ..kernels.cuda_jit import CudaJitError, pdl_nudge
 
 # Before each whole-step replay, launch one trivial kernel eagerly as a programmatic dependent launch
-# (cuda_jit.pdl_nudge; sm_90 and newer, where that attribute exists). Why: on the H200 the zip engine's whole-step
-# graphs idled ~0.4 us before each small kernel where FlashInfer's piecewise steps (an eager PDL decode launch every
-# layer) idle ~0.1, and such a launch clears that state for the graphs replayed after it (bench/graph_nodes.py
-# --sequence). Measured in the engine (8B shape, 67 sequences of 8K, zip, alternated on one engine, two rounds,
-# bench/results/zip_engine_other_nudge_h200.json): 20.73 / 20.73 ms a step with it, 21.22 / 21.21 without.
-# KVTIDE_PDL_NUDGE=0 turns it off.
+# (cuda_jit.pdl_nudge; sm_90 and newer, where that attribute exists). Why: whole-step graphs idle longer before each
+# small kernel than steps that launch a PDL kernel eagerly, and one such launch clears that state for the graphs
+# replayed after it, a few percent of a step (docs/design/engine.md). KVTIDE_PDL_NUDGE=0 turns it off.
 PDL_NUDGE = os.environ.get("KVTIDE_PDL_NUDGE", "1") == "1"
 
 
@@ -248,8 +230,8 @@ class LayerGraph:
     """One row bucket's layers, each as two replays (before and after its attention call) over fixed buffers.
 
     Why: a restoration's suffix (the few new tokens after a restored prefix) runs layer by layer, each layer as soon
-    as its loads are in, and at 16-128 rows a layer is ~40 small kernels whose Python and launch cost (0.9-1.2 ms
-    per layer on the H200 host, 1.6-2.4 ms beside the I/O thread, with which it shares the GIL) is the layer's time.
+    as its loads are in, and at 16-128 rows a layer is ~40 small kernels whose Python and launch cost (more of it
+    beside the I/O thread, with which it shares the GIL) is the layer's time.
     Rows beyond the caller's ``t`` are padding: every op outside attention works row by row, and attention sees the
     first ``t`` rows only, so padding never reaches a real row. Buffers: ``h`` (the residual stream, read and
     written in place), ``positions``; per layer q/k/v (outputs of the first half) and the attention output (input

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -20,6 +20,8 @@ from ..log import get_logger
 from ..models.loader import load_model
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepHandle
+from .outputs import RequestOutput
+from .pool_kernels import triton_pool_kernels
 from .restoration import make_restorer
 from .sampler import BAD_TOKEN
 from .sampling_params import SamplingParams
@@ -27,24 +29,6 @@ from .scheduler import Scheduler
 from .sequence import PENDING, Sequence, Status
 
 log = get_logger("engine")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None  # "stop" (EOS, stop string or stop token), "length", "abort", "error"
-    new_text: str = ""  # text made visible since the previous output of this request
-    new_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    ttft: float | None = None  # seconds from arrival to the first token
-    latency: float | None = None  # seconds from arrival to the last token (set when finished)
-    num_preemptions: int = 0
-    error: str | None = None  # why the request failed (finish_reason "error"); None otherwise
 
 
 @dataclass
@@ -81,17 +65,17 @@ class LLMEngine:
                                  f"{page_bytes / 2**20:.2f} MiB (free device memory after the weights is too small; "
                                  "set CacheConfig.kv_cache_bytes or num_pages, or free memory)")
         num_pages = cache.num_pages or budget // page_bytes
-        self.store = self._make_store(num_pages * page_bytes, device) if cache.compress else None
+        self.pool = self._make_pool(num_pages * page_bytes, device) if cache.compress else None
         self.runner = ModelRunner(self.model, num_pages, cache.page_size, cache.torch_kv_dtype, config.attention_backend,
-                                  store=self.store, cuda_graphs=config.cuda_graphs,
+                                  pool=self.pool, cuda_graphs=config.cuda_graphs,
                                   compress_spread_steps=cache.compress_spread_steps,
                                   full_cuda_graphs=config.full_cuda_graphs)
-        self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, store=self.store)
-        if self.store is not None:  # a compression short of slots evicts cached pages before it compresses in place
-            self.store.evictor = self.block_manager.evict_lru
+        self.block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, pool=self.pool)
+        if self.pool is not None:  # a compression short of slots evicts cached pages before it compresses in place
+            self.pool.evictor = self.block_manager.evict_lru
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         # A sequence may never outgrow the whole cache, or it would preempt itself forever.
-        fit = num_pages if self.store is None else self.store.free_pages()
+        fit = num_pages if self.pool is None else self.pool.free_pages()
         self.max_seq_len = min(self.max_model_len, fit * cache.page_size)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -110,7 +94,7 @@ class LLMEngine:
             return int(free - (1 - cache.gpu_memory_utilization) * total)
         return 256 << 20  # CPU: ~11k tokens of SmolLM2 KV, ~21k of Qwen2.5-0.5B (bf16)
 
-    def _make_store(self, budget: int, device: torch.device) -> ZipPagedKV:
+    def _make_pool(self, budget: int, device: torch.device) -> ZipPagedKV:
         """The compressed pool over the same byte budget the fixed cache would take."""
         a, c = self.model.args, self.config.cache
         order = c.value_order
@@ -121,23 +105,24 @@ class LLMEngine:
                                        budget)
             order = "token" if why or self.config.attention_backend == "torch" else "mma"
         geo = ZipGeometry(a.num_layers, a.num_kv_heads, a.head_dim, c.page_size, c.block_size, c.format_version, order)
+        kernels = triton_pool_kernels() if device.type == "cuda" else None
         return ZipPagedKV(geo, budget, device, chunk_bytes=c.chunk_bytes, private_chunks=c.private_chunks,
-                          shared_slabs=c.shared_slabs)
+                          shared_slabs=c.shared_slabs, kernels=kernels)
 
     @property
     def num_pages(self) -> int:
         """Pages the cache holds uncompressed (page ids can be more with compression: see kv_stats)."""
-        return self.block_manager.num_pages if self.store is None else self.store.raw_capacity_pages
+        return self.block_manager.num_pages if self.pool is None else self.pool.raw_capacity_pages
 
     def kv_stats(self) -> dict:
         """KV cache figures: compression ratio of K and V (stored / raw bytes of completed pages held),
         pages compressed, capacity in pages with and without compression, pool waste (compress=True)."""
-        if self.store is None:
+        if self.pool is None:
             n = self.block_manager.num_pages
             return {"compress": False, "k_ratio": 1.0, "v_ratio": 1.0, "pages_compressed_total": 0,
                     "pages_held": n - len(self.block_manager.free), "free_pages": len(self.block_manager.free),
                     "capacity_pages": n, "capacity_pages_uncompressed": n}
-        return {**self.store.stats(), "prefix_evictions": self.block_manager.stats["evictions"],
+        return {**self.pool.stats(), "prefix_evictions": self.block_manager.stats["evictions"],
                 "preemptions": self.scheduler.num_preemptions}
 
     # ---- requests -------------------------------------------------------------------------------
@@ -218,7 +203,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             text=seq.text[:seq.emitted_chars], token_ids=done, finished=True, finish_reason="error",
-            num_cached_tokens=seq.num_cached_tokens, ttft=seq.ttft, num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens, queue_time=seq.queue_time, ttft=seq.ttft, num_preemptions=seq.num_preemptions,
             latency=seq.finish_time - seq.arrival if seq.finish_time is not None else None, error=message)
 
     def has_unfinished(self) -> bool:
@@ -291,8 +276,8 @@ class LLMEngine:
                 self.stats.prefill_seconds += dt
             else:
                 self.stats.decode_seconds += dt
-        if self.store is not None and self._pending is None and not self.scheduler.has_work():
-            self.store.compress_finish()  # idle: no next step to overlap the last filled pages' placement with
+        if self.pool is not None and self._pending is None and not self.scheduler.has_work():
+            self.pool.compress_finish()  # idle: no next step to overlap the last filled pages' placement with
         return outputs
 
     def _advance(self, batch: list[tuple[Sequence, int]], handle: StepHandle) -> None:
@@ -337,6 +322,14 @@ class LLMEngine:
                     outputs.append(out)
         return outputs
 
+    def emit_first_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
+        """Output the first token of a request whose prompt was computed outside a step (a restoration), once the
+        scheduler runs it (``Scheduler.run_restored``): the token is appended, then text, stop checks and finish
+        as for any sampled token."""
+        slot = len(seq.output_token_ids)
+        seq.output_token_ids.append(token)
+        return self._append_token(seq, slot, token, now)
+
     def _append_token(self, seq: Sequence, slot: int, token: int, now: float) -> RequestOutput | None:
         """Output ``token`` (already at ``output_token_ids[slot]``): text, stop checks, finish."""
         if token == BAD_TOKEN:
@@ -377,7 +370,7 @@ class LLMEngine:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             text=seq.text if seq.finished else seq.text[:visible], token_ids=seq.output_token_ids[:slot + 1],
             finished=seq.finished, finish_reason=seq.finish_reason, new_text=new_text, new_token_ids=[token],
-            num_cached_tokens=seq.num_cached_tokens, ttft=seq.ttft, num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens, queue_time=seq.queue_time, ttft=seq.ttft, num_preemptions=seq.num_preemptions,
             latency=(seq.finish_time - seq.arrival) if seq.finish_time is not None else None,
         )
 

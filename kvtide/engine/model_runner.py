@@ -9,9 +9,8 @@ from torch.profiler import record_function
 from ..cache.zip_pages import ZipPagedKV
 from ..kernels.h2d import to_device
 from ..models.llama import CausalLM
-from .attention import BatchLayout, PageArrays, make_backend
+from .attention import BatchLayout, PageArrays, make_backend, make_pool_backend
 from .cuda_graphs import DecodeGraphs, LayerGraphs
-from .zip_backend import make_zip_backend
 from .sampler import greedy_tokens, sample
 from .sequence import PENDING, Sequence
 
@@ -46,10 +45,10 @@ class StepHandle:
 
 
 class ModelRunner:
-    """KV lives either in fixed per-layer tensors or, with `store` (compress=True), in the compressed pool."""
+    """KV lives either in fixed per-layer tensors or, with ``pool`` (compress=True), in the compressed pool."""
 
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, kv_dtype: torch.dtype, backend: str,
-                 store: ZipPagedKV | None = None, cuda_graphs: bool = False, compress_spread_steps: int = 1,
+                 pool: ZipPagedKV | None = None, cuda_graphs: bool = False, compress_spread_steps: int = 1,
                  full_cuda_graphs: bool | None = None):
         a = model.args
         self.compress_spread_steps = compress_spread_steps  # see CacheConfig.compress_spread_steps
@@ -57,15 +56,15 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.page_size = page_size
         self.num_pages = num_pages
-        self.store = store
+        self.pool = pool
         self.page_arrays = PageArrays()  # block tables as arrays, extended step to step
-        # decode-only steps replay the model between attention calls as CUDA graphs (kvtide/engine/cuda_graphs.py)
+        # decode-only steps replay the model between attention calls as CUDA graphs (cuda_graphs.py)
         self.graphs = DecodeGraphs(model, self.device) if cuda_graphs else None
         # and a restoration's short layer calls (its suffix) replay each layer's halves around attention
         self.layer_graphs = LayerGraphs(model, self.device) if cuda_graphs else None
-        if store is not None:
+        if pool is not None:
             self.kv_caches: list[torch.Tensor] = []
-            self.attention = make_zip_backend(backend, store, a.num_heads, a.num_kv_heads, a.head_dim, page_size)
+            self.attention = make_pool_backend(backend, pool, a.num_heads, a.num_kv_heads, a.head_dim, page_size)
             self.full_graphs = self.attention.whole_step_graphs if full_cuda_graphs is None else full_cuda_graphs
             return
         # One tensor per layer in FlashInfer's NHD layout: [num_pages, 2 (K, V), page_size, kv_heads, head_dim].
@@ -132,7 +131,7 @@ class ModelRunner:
         """Enqueue one step and return its handle, without waiting for the device when every sampling sequence is
         greedy (on CUDA): the engine then prepares the next step while this one runs. ``prev``: the step before,
         whose device tokens fill this step's ``PENDING`` ids. Sequences' progress is the caller's to advance."""
-        # named ranges: a profile (bench/zip_engine.py --profile-steps) shows where a step's host time goes
+        # named ranges: a profile shows where a step's host time goes
         with record_function("kvtide.layout"):
             layout, ids, positions = self.layout(batch)
             sampling = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
@@ -154,18 +153,18 @@ class ModelRunner:
                 rows = to_device(torch.tensor([starts[i] + batch[i][1] - 1 for i in sampling], dtype=torch.long),
                                  self.device)
                 logits = self.model(ids_dev, pos_dev, self.attention, logit_rows=rows)
-        if self.store is not None:  # enqueued after this step's attention reads
+        if self.pool is not None:  # enqueued after this step's attention reads
             p = self.page_size
             with record_function("kvtide.compress"):
                 # earlier steps' filled pages: host placement while the device runs this step's forward, a share
                 # of a page step's pages each step (at least 8 a step, so what one page step fills is placed
                 # within compress_spread_steps steps; a prefill step below places everything)
                 share = max(8, -(-len(batch) // self.compress_spread_steps))
-                self.store.compress_finish(max_pages=share if layout.is_decode_only else None)
-                self.store.compress_begin([pid for seq, n in batch for pid in
+                self.pool.compress_finish(max_pages=share if layout.is_decode_only else None)
+                self.pool.compress_begin([pid for seq, n in batch for pid in
                                            seq.pages[seq.num_computed_tokens // p:(seq.num_computed_tokens + n) // p]])
                 if not layout.is_decode_only:  # prefill chunks fill many pages: no staged copy held for a step
-                    self.store.compress_finish()
+                    self.pool.compress_finish()
         seqs = [batch[i][0] for i in sampling]
         params = [s.params for s in seqs]
         if not seqs:

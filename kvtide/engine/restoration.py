@@ -1,28 +1,11 @@
-"""Engine wiring of CacheFlow restoration: write finished prefixes to a KV store, restore them by plan.
+"""Engine wiring of CacheFlow restoration: finished prefixes go to a KV store, waiting requests come back by plan.
 
-* At finish, every full chunk (``chunk_tokens``) of a request's computed tokens (prompt + output) is copied out
-  of its pages (one device read per layer for all its new chunks) and written, one entry per layer, by a
-  background writer (``write_on_finish``).
-* Spill on evict (``spill``, needs the device prefix cache): when a sequence releases its pages, its full chunks
-  that are not in the store yet (a preempted or aborted request's; every request's when ``write_on_finish`` is
-  off) are remembered by page hash; when the device cache evicts a page of such a chunk, the whole chunk is read
-  from its still-intact pages and written before the page is reused. A chunk whose pages are already partly
-  gone is counted (``spill_missed``), never written half.
-* Each step, before the normal scheduler, the waiting queue is checked in order: device prefix-cache hits
-  first (kept up to the last whole chunk), then consecutive store chunks after them. Requests with at least
-  one chunk to restore (up to ``max_batch`` of them, in queue order) are admitted with pages for their whole prompt,
-  planned together (``method``: CacheFlow's DP or a baseline, same cost model), and run by the executor; each
-  enters the running set with all its tokens computed and its first token sampled, and decodes normally.
-* Lookups are on the step's critical path, so they are bounded: a step's store lookups stop once they have taken
-  ``lookup_budget_s``; the requests not looked up stay in the queue, and the scheduler prefills them this step as
-  usual (recompute: correct, only slower; counted as ``lookups_deferred``). A lookup the tier does not answer (timed
-  out, down, skipped by its circuit breaker) sends its request to plain prefill (``lookup_failures``). Waiting for a
-  prefix's own queued writes takes at most ``store_timeout_s`` a step. A step's lookups so cost at most the budget
-  plus one store timeout for the operation in flight plus that write wait.
-* The latency profile F(t) learns from the prefills the engine runs anyway (single-request prefills from
-  position 0) and from the executor's own per-layer recompute; load bandwidth from the executor's loads.
-* A load that fails is recomputed by the executor (counted here and in the store's stats); an unexpected error
-  in a restoration puts its requests back at the head of the queue as plain prefills (counted as ``errors``).
+At finish (and on eviction, ``spill``) a request's full chunks are copied out of their pages and written by a
+background writer. Each step, before the scheduler, the head of the waiting queue is looked up (device prefix-cache
+hits first, then store chunks, within ``lookup_budget_s``); requests with chunks to restore are admitted through the
+scheduler's admission API, planned together (``method``) and run by the executor, and enter the running set with
+their first token sampled. Failed loads are recomputed; a failed restoration sends its requests to plain prefill.
+The engine is reached only through ``RestoreHost``. Details and the reasons: docs/design/engine.md.
 """
 from __future__ import annotations
 
@@ -30,12 +13,14 @@ import contextlib
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from ..config import EngineConfig
 from ..log import get_logger, warn_limited
+from ..models.llama import CausalLM
 from ..restore.costs import BlockCost, ExecutorReplayTime, RestoreRequest
 from ..restore.executor import LoadConfig, RestoreExecutor, RestoreJob, RestoreResult
 from ..restore.methods import make_plan
@@ -49,15 +34,30 @@ from ..store.breaker import present
 from ..store.factory import open_store
 from ..store.keys import ChunkKey, KeySpace, chunk_keys
 from ..store.writer import StoreWriter
+from .block_manager import BlockManager
 from .chunk_reader import ChunkReader
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
 from .restore_port import EnginePort
 from .sampler import sample
-from .sequence import Sequence, Status
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 log = get_logger("restore")
 
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine, RequestOutput
+
+class RestoreHost(Protocol):
+    """What a restorer needs of its engine (``LLMEngine`` is one): the model and its runner, the page table and the
+    queues, whose public admission API it uses (``BlockManager.cached_pages``, ``Scheduler.admit_restored`` /
+    ``run_restored`` / ``requeue_restored``), and the first-token output of a restored request."""
+
+    config: EngineConfig
+    model: CausalLM
+    runner: ModelRunner
+    block_manager: BlockManager
+    scheduler: Scheduler
+
+    def emit_first_token(self, seq: Sequence, token: int, now: float) -> RequestOutput | None: ...
 
 DEFAULT_BANDWIDTH = 2e9  # bytes/s guessed for an unthrottled in-process tier before any load is measured
 
@@ -135,7 +135,7 @@ class RestoreRecord:
 
 
 class Restorer:
-    def __init__(self, engine: "LLMEngine"):
+    def __init__(self, engine: RestoreHost):
         cfg = engine.config.restore
         assert cfg is not None
         self.engine = engine
@@ -283,9 +283,9 @@ class Restorer:
     def on_release(self, seq: Sequence) -> None:
         """Remember the releasing sequence's committed chunks that the store does not hold yet."""
         bm, C = self.engine.block_manager, self.chunk
-        hashes = bm.seq_hashes.get(seq.request_id)
+        hashes = bm.committed_hashes(seq)
         p = bm.page_size
-        n = len(hashes or ()) * p // C * C
+        n = len(hashes) * p // C * C
         if self.writer is None or n == 0:
             return
         self._forget_unwritten()
@@ -306,14 +306,13 @@ class Restorer:
         bm = self.engine.block_manager
         todo = []
         for pid in pids:
-            info = self._spill.pop(bm.page_hashes[pid], None)
+            info = self._spill.pop(bm.hash_of(pid), None)
             if info is None or info.key.hex in self._known:
                 continue
-            chunk_pids = [bm._lookup(h, tuple(info.tokens[i * bm.page_size:(i + 1) * bm.page_size]))
-                          for i, h in enumerate(info.page_hashes)]
+            chunk_pids = bm.cached_pages(info.page_hashes, info.tokens)
             for h in info.page_hashes:
                 self._spill.pop(h, None)
-            if any(x is None for x in chunk_pids):
+            if chunk_pids is None:
                 self.stats.spill_missed += 1
                 continue
             todo.append((info.key, info.tokens, chunk_pids))
@@ -419,15 +418,16 @@ class Restorer:
         return hits[: start // bm.page_size], start, cached, keys[:end]
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def step(self) -> list["RequestOutput"]:
+    def step(self) -> list[RequestOutput]:
         """Restore what the head of the waiting queue allows; returns their first-token outputs."""
-        sch, bm = self.engine.scheduler, self.engine.block_manager
+        sch = self.engine.scheduler
         picked: list[tuple[Sequence, int, int, list[ChunkKey]]] = []
         self._lookup_seconds, self._write_wait_left = 0.0, self.cfg.store_timeout_s
+        room = sch.seq_slots_left()
         # Scan past non-restorable requests too: the scheduler admits every waiting request that fits in this
         # same step, so restorable ones behind them would otherwise be prefilled from scratch.
-        for seq in list(sch.waiting)[: 4 * self.cfg.max_batch]:
-            if len(picked) >= self.cfg.max_batch or len(sch.running) + len(picked) >= sch.config.max_num_seqs:
+        for seq in sch.waiting_head(4 * self.cfg.max_batch):
+            if len(picked) >= self.cfg.max_batch or len(picked) >= room:
                 break
             if self._budget_spent():  # left to the scheduler: prefilled now if it fits, else looked up next step
                 self.stats.lookups_deferred += 1
@@ -436,16 +436,8 @@ class Restorer:
             if cand is None:
                 continue
             hits, start, cached, keys = cand
-            fresh = max(0, -(-seq.num_tokens // bm.page_size) - len(hits))
-            if not bm.can_admit(hits, fresh, reserve=len(sch.running) + len(picked)):
+            if not sch.admit_restored(seq, hits, cached, pending=len(picked)):
                 break
-            sch.waiting.remove(seq)
-            bm.admit(seq, hits)
-            ok = bm.allocate(seq, seq.num_tokens)
-            assert ok, "admission check and allocation disagree"
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = cached
-            seq.status = Status.RUNNING
             picked.append((seq, start, cached, keys))
         if not picked:
             return []
@@ -454,11 +446,8 @@ class Restorer:
         except Exception:  # noqa: BLE001 - a bug here must cost a recompute, not the requests
             self.stats.errors += 1
             for seq, *_ in reversed(picked):
-                bm.release(seq)
-                seq.num_computed_tokens = 0
-                seq.status = Status.WAITING
                 self._no_restore.add(seq.request_id)
-                sch.waiting.appendleft(seq)
+                sch.requeue_restored(seq)
             return []
 
     def plan_for(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]], method: str | None = None) -> Plan:
@@ -481,7 +470,7 @@ class Restorer:
         best.method = "cacheflow-hedged"
         return best
 
-    def _restore(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]]) -> list["RequestOutput"]:
+    def _restore(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]]) -> list[RequestOutput]:
         eng = self.engine
         # The writer holds from the plan on: planning is on the request's critical path like the executor's threads,
         # and an entry being encoded holds the GIL for part of its copies and hash.
@@ -500,19 +489,15 @@ class Restorer:
                 jobs, profile=self.profile)
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
-        if eng.runner.store is not None:  # compressed pool: compress the full pages just filled
+        if eng.runner.pool is not None:  # compressed pool: compress the full pages just filled
             p = eng.runner.page_size
-            eng.runner.store.compress([pid for seq, start, _, _ in picked for pid in seq.pages[start // p:seq.num_tokens // p]])
+            eng.runner.pool.compress([pid for seq, start, _, _ in picked for pid in seq.pages[start // p:seq.num_tokens // p]])
         self._account(picked, plan, res)
         outputs = []
         now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
-            seq.num_computed_tokens = seq.num_tokens
-            eng.block_manager.commit(seq)
-            eng.scheduler.running.append(seq)
-            slot = len(seq.output_token_ids)
-            seq.output_token_ids.append(tok)
-            out = eng._append_token(seq, slot, tok, now)
+            eng.scheduler.run_restored(seq)
+            out = eng.emit_first_token(seq, tok, now)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -532,8 +517,8 @@ class Restorer:
         F = self.replay_time(n, tokens=longest)
         sigma = sum(float(F(seq.num_tokens - start)) - float(F(cached - start)) for seq, start, cached, _ in picked)
         # On CUDA a suffix layer whose loads were not in when the compute thread reached it was launched just in
-        # time, and its device-timed span holds the host's launch gaps (H200: 3-4 ms per 16-token layer under
-        # loads, 0.5 ms otherwise). The compute side of the plan runs its suffix layers back to back: learn their
+        # time, and its device-timed span holds the host's launch gaps (several times a back-to-back layer's
+        # time). The compute side of the plan runs its suffix layers back to back: learn their
         # cost from the others. (On the CPU a layer's time is its wall time either way.)
         times = res.suffix_layer_seconds
         if self.engine.runner.device.type == "cuda":
@@ -590,17 +575,17 @@ class Restorer:
 def _build_zip_kernels(kv: torch.Tensor) -> None:
     """Compile the Triton encode and decode kernels of ZipFusion entries now, not inside the first restoration's
     loads or the first finished request's write (a JIT build takes seconds)."""
-    from ..cache import zipblocks
+    from ..cache import zip_blocks
     from ..kernels import zip_unpack
     from ..store.zip_entry import BLOCK_SIZE, encode_entries
 
     desc, slots = encode_entries(kv.reshape(1, -1), tuple(kv.shape))
-    sizes = zipblocks.block_sizes(desc, BLOCK_SIZE)
+    sizes = zip_blocks.block_sizes(desc, BLOCK_SIZE)
     zip_unpack.unpack(slots.reshape(-1), desc, sizes.cumsum(1) - sizes, BLOCK_SIZE)
     torch.cuda.synchronize(kv.device)
 
 
-def engine_keyspace(engine: "LLMEngine") -> KeySpace:
+def engine_keyspace(engine: RestoreHost) -> KeySpace:
     """The keys' root for this engine's KV: model and shapes, the weights' content, the model config, the compute
     and KV dtypes, the chunk size, ``RestoreConfig.namespace`` and the store secret's salt (``kvtide.store.keys``)."""
     cfg, a = engine.config.restore, engine.model.args
@@ -616,6 +601,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def make_restorer(engine: "LLMEngine") -> Restorer | None:
+def make_restorer(engine: RestoreHost) -> Restorer | None:
     """The engine's restorer, or None when ``EngineConfig.restore`` is not set."""
     return Restorer(engine) if engine.config.restore is not None else None

@@ -11,7 +11,7 @@ import torch
 
 from ..kernels.paged_attention_ref import write_kv
 from ..restore.executor import Segment
-from .attention import BatchLayout
+from .attention.base import BatchLayout
 from .model_runner import ModelRunner
 from .sequence import Sequence as Seq
 
@@ -84,15 +84,15 @@ class EnginePort:
         Called on the I/O thread (on CUDA inside its stream): only index math and copies, no host syncs.
         """
         p, n = self.page_size, kv.shape[1]
-        if self.runner.store is None and start % p == 0 and n % p == 0:
+        if self.runner.pool is None and start % p == 0 and n % p == 0:
             cache = self.runner.kv_caches[layer]
             pages = self._pages[request][start // p:(start + n) // p]
             src = kv.unflatten(1, (n // p, p)).transpose(0, 1)  # [pages, 2, page_size, kv_heads, head_dim]
             cache.index_copy_(0, pages, src.to(device=cache.device, dtype=cache.dtype, non_blocking=True))
             return
         slots = self.slots(request, start, start + n)
-        if self.runner.store is not None:
-            self.runner.store.write(layer, kv[0], kv[1], slots)
+        if self.runner.pool is not None:
+            self.runner.pool.write(layer, kv[0], kv[1], slots)
         else:
             write_kv(self.runner.kv_caches[layer], kv[0], kv[1], slots)
 
@@ -100,11 +100,11 @@ class EnginePort:
         """Place k consecutive whole chunks ``chunks`` [k, 2, C, kv_heads, head_dim] at positions [start, start + kC).
 
         One indexed copy for all k in the fixed layout (``write_kv`` would take k of them, each a few torch calls on the
-        I/O thread, which shares the GIL with the compute thread). H200, 8B shape, one device session: loads alone 4.68
-        vs 4.22 GB/s, beside a replay 3.68 vs 3.27, CacheFlow's batch-1 restorations 10-12% shorter."""
+        I/O thread, which shares the GIL with the compute thread): faster loads, and shorter restorations where the
+        loads are the longer side."""
         k, _, n = chunks.shape[:3]
         p = self.page_size
-        if self.runner.store is not None or start % p or n % p:
+        if self.runner.pool is not None or start % p or n % p:
             for i in range(k):
                 self.write_kv(layer, request, start + i * n, chunks[i])
             return

@@ -11,6 +11,8 @@ pages in one step.
 """
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +95,8 @@ class Scheduler:
             ok = self.bm.allocate(seq, seq.num_computed_tokens + n)
             assert ok, "admission check and allocation disagree"
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             plan.batch.append((seq, n))
             budget -= n
@@ -104,7 +108,7 @@ class Scheduler:
         from free room: early pages never evict a cached page and never cause a preemption (the plain allocation
         is tried when these do not fit)."""
         ahead = self.config.page_lookahead
-        if not ahead or self.bm.store is None:
+        if not ahead or self.bm.pool is None:
             return None
         cap, p = -(-len(need) // ahead), self.bm.page_size
         out, taken = [], 0
@@ -114,9 +118,53 @@ class Scheduler:
                 tokens = -(-tokens // p) * p + 1  # exactly one more page
                 taken += 1
             out.append((seq, tokens))
-        if not taken or self.bm.store.free_pages(reserve=False) < sum(self.bm.pages_needed(s, t) for s, t in out):
+        if not taken or self.bm.pool.free_pages(reserve=False) < sum(self.bm.pages_needed(s, t) for s, t in out):
             return None
         return out
+
+    # ---- admission of restored requests (kvtide.engine.restoration computes their prompts outside a step) ----
+    def waiting_head(self, n: int) -> list[Sequence]:
+        """The first ``n`` waiting sequences, in queue order."""
+        return list(itertools.islice(self.waiting, n))
+
+    def seq_slots_left(self) -> int:
+        """Sequences that may still start running (``SchedulerConfig.max_num_seqs`` less those running)."""
+        return self.config.max_num_seqs - len(self.running)
+
+    def admit_restored(self, seq: Sequence, hits: list[int], cached: int, pending: int = 0) -> bool:
+        """Take waiting ``seq`` out of the queue with prefix hits ``hits`` and pages for all its tokens, for a
+        restoration to compute them; ``cached``: its tokens found cached (device and store). Room stays for each
+        running sequence and the ``pending`` sequences admitted this way and not running yet. False (nothing
+        changed) when its pages do not fit. The caller then runs it (:meth:`run_restored`) or hands it back
+        (:meth:`requeue_restored`)."""
+        fresh = max(0, -(-seq.num_tokens // self.bm.page_size) - len(hits))
+        if not self.bm.can_admit(hits, fresh, reserve=len(self.running) + pending):
+            return False
+        self.waiting.remove(seq)
+        self.bm.admit(seq, hits)
+        ok = self.bm.allocate(seq, seq.num_tokens)
+        assert ok, "admission check and allocation disagree"
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+        seq.status = Status.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.perf_counter()
+        return True
+
+    def run_restored(self, seq: Sequence) -> None:
+        """An admitted sequence whose tokens a restoration has all computed: its full pages join the prefix cache
+        and it runs (decodes) from the next step on."""
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.commit(seq)
+        self.running.append(seq)
+
+    def requeue_restored(self, seq: Sequence) -> None:
+        """Hand an admitted sequence back (its restoration failed): pages released, at the head of the queue, to
+        be prefilled as usual."""
+        self.bm.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -34,6 +34,7 @@ class Sequence:
     text: str = ""
     emitted_chars: int = 0  # of `text`, already handed out by streaming
     finish_reason: str | None = None
+    first_scheduled_time: float | None = None  # when a step first took it in (prefill or restoration)
     first_token_time: float | None = None
     finish_time: float | None = None
     detok: object | None = None
@@ -44,7 +45,7 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        """token_ids[start:stop] without building token_ids (a per-step copy of a long prompt costs ~30 us)."""
+        """token_ids[start:stop] without building token_ids (a long prompt's copy every step is host time for nothing)."""
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]
@@ -63,6 +64,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival
 
     @property
     def ttft(self) -> float | None:

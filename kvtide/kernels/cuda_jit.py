@@ -225,8 +225,8 @@ def _nudge(device: int) -> tuple[Kernel, torch.Tensor]:
 
 
 def pdl_nudge(device: int) -> None:
-    """Launch a one-thread kernel as a programmatic dependent launch on the current stream. Why: on the H200 an eager
-    launch with that attribute takes the process out of a state in which graph-replayed kernels idle ~0.4 us apart
-    instead of ~0.1 (bench/graph_nodes.py --sequence); see ``kvtide.engine.cuda_graphs.PDL_NUDGE``."""
+    """Launch a one-thread kernel as a programmatic dependent launch on the current stream. Why: an eager launch
+    with that attribute takes the process out of a state in which graph-replayed kernels idle longer between one
+    another (docs/design/kernel.md); see ``kvtide.engine.cuda_graphs.PDL_NUDGE``."""
     k, x = _nudge(device)
     k.launch((1, 1, 1), 32, [x], pdl=True)

@@ -1,10 +1,10 @@
 """Host-to-device copies that never wait for the device.
 
 A copy from pageable host memory to the GPU may wait until the stream has run everything enqueued before it
-(measured here: the compressed pool's placement waited for the whole forward; bench/results HISTORY). With the
-engine's async scheduling the host prepares step N+1 while the device still runs step N, so every copy on that
-path goes through pinned memory instead: torch's caching host allocator keeps the pinned block until the copy
-has run, so the caller may drop or reuse its source at once.
+(the compressed pool's placement would wait for the whole forward). With the engine's async scheduling the host
+prepares step N+1 while the device still runs step N, so every copy on that path goes through pinned memory
+instead: torch's caching host allocator keeps the pinned block until the copy has run, so the caller may drop or
+reuse its source at once.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Triton kernels that store new tokens' K/V into a paged cache: ONE launch per layer instead of the references'
-index / add / stack / index_put chain (each a kernel launch on a GPU: ~0.7 ms per decode step at the Llama-8B shape).
+index / add / stack / index_put chain (each a kernel launch on a GPU; per layer per step, that chain adds up).
 
 * :func:`write_paged`: the dense NHD cache [num_pages, 2, page_size, kv_heads, head_dim] (FlashInfer's layout);
   reference :func:`kvtide.kernels.paged_attention_ref.write_kv`.
@@ -10,9 +10,8 @@ One program per (token, kv_head): it loads the head_dim row of k and of v, conve
 the way torch's ``.to(dtype)`` does on the same device (bit for bit, NaN included: see :func:`_bits`) and stores
 it. The wrappers check shapes and dtypes on the host only: a launch never syncs with the device (it runs once
 per layer per step, possibly inside a CUDA graph). Slots are not checked (that would read them back): each must
-be a valid page * page_size + offset. Its effect on the engine's step time is in bench/zip_engine.py's H200 results
-(bench/results/HISTORY.md, twentieth session). Kernels are built on first use, so setting ``TRITON_INTERPRET=1`` any
-time before the first call runs them in the interpreter (CPU tensors).
+be a valid page * page_size + offset. Kernels are built on first use, so setting ``TRITON_INTERPRET=1`` any time
+before the first call runs them in the interpreter (CPU tensors).
 """
 
 from __future__ import annotations

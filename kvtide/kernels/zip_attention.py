@@ -1,41 +1,10 @@
 """Triton paged DECODE attention over ZipFusion pages (and over raw NHD pages, same kernel skeleton).
 
-Why one skeleton for both: the raw kernel is the control. Its time against FlashInfer measures the
-kernel's quality; the zip kernel's time against the raw one measures what the 12-bit format buys.
-
-Design (ZipFusion paper, section III-C, done the Triton way)
-------------------------------------------------------------
-* One program per (sequence, KV head, split). All G = Hq / Hkv query heads of the KV head share every KV
-  byte read. Default (``trans``): tokens are the MMA's M side, S^T = K Q^T and O^T += V^T P^T, so the
-  accumulator is [D, GP] (GP = G padded to 8) instead of [16, D]: fewer registers, more warps per SM.
-* The zip kernel walks its split one page at a time (a [page_size, D] tile): the page id, the group's
-  start (``group_start``) and its descriptors (``group_desc``, read as one word) are scalars, fetched two
-  pages ahead so that only the data loads sit on the critical path; a row's block offset is
-  start + j * 1.5B + (raw blocks before j) * 0.5B, so the storage tables are the only source of
-  placement. The raw kernel walks ``TILE`` tokens at a time, a page id per row.
-* Compressed rows are rebuilt in registers, word by word, exactly as ``zipblocks.rebuild_words`` (two BF16
-  values per int32: ``T = (cw << 8-4k) & 0x0F000F00; W = T + 15 * (T & 0x08000800) + (b/2) * 0x01000100 + L``),
-  then the halves of the words are joined into a [rows, D] BF16 operand of ``tl.dot``. No decompressed copy
-  is ever written to memory. Version-2 zero-escape rows pay two more ops per value, and only in tiles that
-  hold one (a tile-uniform branch). How the bytes are loaded is ``mode`` (measured against each other on
-  the H200 by bench/zip_attention.py; mode 1 is the fastest there):
-    - mode 1 (default): rows of compressed blocks load the low plane (one int64 per 8 values) and the code
-      plane (one int32 per 8 values), rows of raw blocks their BF16 row, each masked to its rows; raw and
-      rebuilt rows stay two operands (each +0 where the other holds the row), both go to the tensor cores.
-    - mode 2: as 1, the two tiles OR-ed into one operand (a layout shuffle instead of a second dot).
-    - mode 0: two int64 loads per 8 values at row-kind-dependent addresses, one word tile, one operand
-      (fewest registers, but gathers that coalesce badly).
-  ``late_v`` loads V after K's scores (fewer live registers); ``prefetch`` issues the next page's loads
-  before this page's math (more registers); ``maxnreg`` caps registers per thread. ``pipe`` reads each page's
-  metadata in the step that uses it (per row when a tile spans pages) so that Triton's software pipeliner can
-  stage the loads into shared memory with asynchronous copies (``num_stages`` >= 2); with the metadata carried
-  ahead in registers, as the other variants do, the pipeliner leaves the loads alone. On the H200 it ties or
-  trails the default by up to 7%: the kernel is bound by its instructions per page, not by load latency alone.
-* Online softmax in base 2 with fp32 accumulators and a lazy rescale: the running max is only moved (and
-  the accumulator rescaled) when some row's max grows by more than 2^8, so most pages skip that pass.
-* Split-KV: with ``num_splits > 1`` each program writes its normalised partial output and its
-  log-sum-exp (base 2); a merge kernel combines the splits of a (sequence, q head). With one split
-  the main kernel writes the BF16 output directly.
+The raw kernel is the control: its time against FlashInfer rates the kernel, the zip kernel's time against it
+rates the 12-bit format. One program per (sequence, KV head, split) walks its pages, rebuilds compressed rows in
+registers exactly as ``zip_blocks.rebuild_words`` (no decompressed copy is ever written) and feeds them to
+``tl.dot``, with a lazy base-2 online softmax; split-KV partials are combined by a merge kernel. The design, the
+load ``mode``s and the other launch options: docs/design/kernel.md.
 
 The kernels know pages, groups and blocks only (no engine). ``plan`` once per batch, ``run_zip`` /
 ``run_raw`` per layer. Torch reference: :mod:`kvtide.kernels.zip_attention_ref`.
@@ -457,7 +426,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# launch defaults per kernel, the best of the H200 sweep in bench/zip_attention.py (tile 16 = one page for zip)
+# launch defaults per kernel: the best of a sweep by bench/zip_attention.py (tile 16 = one page for zip)
 _DEFAULTS = {
     "zip": dict(num_warps=1, num_stages=1, waves=8.0, tile=16, mode=1, prefetch=False, trans=True, late_v=False,
                 maxnreg=128, pipe=False),
@@ -486,9 +455,9 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
          pipe: bool | None = None, kernel: str = "zip") -> DecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
-    ``kernel`` ("zip" or "raw") picks the launch defaults measured best on the H200 for that kernel
-    (bench/results/zip_attention_h200.json); every one left ``None`` takes its default, ``maxnreg=0`` means
-    no register cap.
+    ``kernel`` ("zip" or "raw") picks that kernel's launch defaults (``_DEFAULTS``); every option left ``None``
+    takes its default, ``maxnreg=0`` means no register cap. ``mode`` (0, 1, 2) is how the zip kernel loads a
+    page's bytes; ``late_v``, ``prefetch`` and ``pipe`` move loads relative to the math (docs/design/kernel.md).
 
     ``num_splits=None`` splits long contexts so that B * Hkv * splits fills ``waves`` waves of the SMs.
     """

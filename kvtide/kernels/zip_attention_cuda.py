@@ -1,44 +1,25 @@
 """CUDA paged DECODE attention over ZipFusion pages in the "mma" value order (the ZipFusion paper's kernel design).
 
-Why CUDA next to the Triton kernel (:mod:`kvtide.kernels.zip_attention`): measured on the H200, the Triton kernel
-runs ~1,300 instructions per page and warp, a third of them moving rebuilt values from the layout Triton picks
-into the tensor cores' operand layout through shared memory; Triton gives no way to rebuild values straight into
-MMA fragments. Here each lane loads exactly the bytes of its own fragment values (the group's "mma" value order,
-:mod:`kvtide.cache.zip_order`) and rebuilds them in registers with ~1.5 integer ops per value (byte-parallel
-high bytes + one byte permute per pair), so no decompressed value ever leaves a register.
+Why CUDA next to the Triton kernel (:mod:`kvtide.kernels.zip_attention`): Triton gives no way to rebuild values
+straight into tensor-core (MMA) operand fragments, so its kernel moves every rebuilt value through shared memory.
+Here each lane loads exactly the bytes of its own fragment values (:mod:`kvtide.cache.zip_order`, "mma") and
+rebuilds them in registers (~1.5 integer ops per value); no decompressed value leaves a register.
 
-Kernel (``cuda/zip_decode.cu``): one warp per (sequence, KV head, split), one page of 16 tokens per step:
-S^T = K Q^T on ``mma.m16n8k16`` (tokens as M, the GQA group padded to N = 8), online softmax in base 2 with a
-lazy rescale (the running max moves only when it grows by more than 2^8), P^T through ``movmatrix`` into the
-B operand, O^T += V^T P^T. The next page's loads are issued as soon as this page's buffer is consumed; page
-metadata comes 32 pages at a time (one page per lane, broadcast by shuffles). Where the next page waits is the
-plan's ``stage`` (:data:`STAGES`): at head_dim 128 the default stages V in the warp's slot of shared memory by
-cp.async (and keeps Q's fragments there), which takes the kernel from 158 to 128-146 registers, lets 16 warps share
-an SM and measured 0.5-1.5% faster on the H200 at the larger shapes (``bench/zip_kernel_ab.py``); staging K too
-(stage 2) was slower at 12 warps per SM and no faster at 16. A split sequence gets one CTA whose warps are its
-splits (``plan(cta_merge=True)``, the default where it adds no wave): they merge their normalised
-partial outputs and base-2 log-sum-exps in shared memory, 4-5 us less per call on the H200 than writing them out
-for the ``zip_merge`` launch, which remains for more splits than a CTA holds. Even splits leave the last wave nearly
-empty just past a wave boundary (67 x 8 KV heads on 132 SMs x 16 warps); ``plan(balanced=True)`` instead lays every
-(sequence, KV head) page list end to end and gives each warp an equal run of it, crossing unit boundaries
-(``zip_merge_balanced`` merges the pieces): 1.9% faster at that shape, slower where even splits merge in a CTA, so
-:data:`AUTO_BALANCED` takes it only where even splits would not. Where partials still go through global memory,
-``plan(tail_merge=True)`` has the last warp of each (sequence, KV head) merge them (a counter per unit) in place of
-the merge launch (:data:`AUTO_TAIL_MERGE`: off, 0.4-1.3% slower on the H200). ``plan(pdl=True)`` launches the
-kernels as programmatic dependent launches (:data:`AUTO_PDL`: off, no faster in the engine). Raw blocks (the page
-being written, blocks the format left raw) are read as they are, in the same order, so the same kernel over an
-all-raw pool is the format-free control.
+Kernel (``cuda/zip_decode.cu``): one warp per (sequence, KV head, split), one page of 16 tokens per step,
+S^T = K Q^T and O^T += V^T P^T on ``mma.m16n8k16``, online softmax in base 2. A split sequence's partials merge in
+one CTA (:attr:`LaunchOptions.cta_merge`), through the ``zip_merge`` launch, or, for balanced runs of all units'
+pages (:attr:`LaunchOptions.balanced`), through ``zip_merge_balanced``. Raw blocks are read as they are, so the
+same kernel over an all-raw pool (:func:`raw_pool`) is the format-free control. Design: docs/design/kernel.md.
 
-Compiled by NVRTC (:mod:`kvtide.kernels.cuda_jit`) by :func:`build` (the engine's backend calls it when made), else
-at first use; plan once per batch, run per layer. Torch reference: :mod:`kvtide.kernels.zip_attention_ref` with
-``zip_order.to_natural``.
+Compiled by NVRTC (:mod:`kvtide.kernels.cuda_jit`) in :func:`build` (the engine's backend calls it when made), else
+at first use; :func:`plan` once per batch, :func:`run` per layer. Torch reference:
+:mod:`kvtide.kernels.zip_attention_ref` with ``zip_order.to_natural``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,50 +33,46 @@ SOURCE = Path(__file__).with_name("cuda") / "zip_decode.cu"
 LOG2E = 1.4426950408889634
 MAX_GROUP = 8  # the GQA group is the MMA's N side
 MAX_POOL_BYTES = 1 << 36  # group starts travel as 32-bit counts of 16-byte units
-LOAD_HINTS = {0: "none", 1: "L1::no_allocate", 2: "L1::no_allocate + L2::256B prefetch",
-              3: "L1::no_allocate + L2 evict_first"}
 SPLIT_START_PAGES = 4  # a split's fixed cost (Q and metadata loads, first page's latency, merge) in pages
+STAGES = {0: "K and V in registers", 1: "V staged in shared memory (cp.async)"}
 
-# launch defaults per head_dim: the stage, and per stage the launch shapes (warps per CTA, CTAs per SM the register
-# budget is cut for) the wave model chooses from. head_dim 128 at stage 1 (V staged, Q in shared memory) fits 128
-# registers, so 16 warps per SM next to stage 0's 12 (158 registers). Measured on the H200
-# (bench/results/zip_kernel_ab_stage_confirm_h200.json, 9 interleaved rounds): stage 1 0.5-1.5% faster than stage 0
-# at 8192 x 64 / 96 and 2048 x 64 / 96; 16 warps per SM faster where they buy more splits in one wave (8192 x 32 /
-# 64 / 96, 2048 x 32 / 64, each rated 22-25% faster by the wave model), 2% slower at 2048 x 96 (rated 12% faster:
-# short splits, whose start-up the model underrates).
-_DEFAULTS = {128: dict(launches={0: [(4, 3)], 1: [(4, 3), (4, 4)], 2: [(4, 3), (4, 4)]}, waves=None, stage=1),
-             64: dict(launches={0: [(4, 4)], 1: [(4, 4)], 2: [(4, 4)]}, waves=None, stage=0)}
+# Launch defaults per head_dim: the stage, and per stage the launch shapes (warps per CTA, CTAs per SM the register
+# budget is cut for) the wave model chooses from. Staging V at head_dim 128 brings the kernel to 128 registers, so
+# 16 warps fit an SM next to the register kernel's 12.
+_DEFAULTS = {128: dict(launches={0: [(4, 3)], 1: [(4, 3), (4, 4)]}, stage=1),
+             64: dict(launches={0: [(4, 4)], 1: [(4, 4)]}, stage=0)}
 SHAPE_MARGIN = 0.85  # a later launch shape is taken only when the wave model rates it at most this x the first
 SPLITS_HINT_MARGIN = 1.10  # plan(splits_hint=): kept while the wave model rates it at most this x its own choice
-# Balanced runs (zip_decode.cu BALANCED), plan(balanced=None) with AUTO_BALANCED: taken where the even splits would
-# merge through global memory anyway (no CTA merge), the wave model rates the runs at most BALANCED_MARGIN x the even
-# splits, and each warp's run holds at least BALANCED_MIN_PAGES pages. Measured on the H200 (v2, 8320-token contexts,
-# bench/results/zip_splits_balanced_h200.json, 3 interleaved rounds): faster where the rule takes them (53, 67, 68, 69
-# sequences: 1.5 / 1.9 / 0.4 / 0.7%), slower against CTA-merged even splits (64, 66, 90, 96: 1.1-2.8%) and at
-# 2048-token contexts (runs of 26-63 pages: 0-6%). In the engine (8B shape, 67 sequences of 8K, whole-step graphs,
-# two interleaved rounds on one engine, bench/results/zip_engine_other_balanced_h200.json): 21.71 / 21.66 ms per step
-# against 21.82 / 21.78 with even splits, 0.5% faster.
+# Balanced runs (LaunchOptions.balanced=None): taken where even splits would merge through global memory anyway (no
+# CTA merge), the wave model rates the runs at most BALANCED_MARGIN x the even splits, and each warp's run holds at
+# least BALANCED_MIN_PAGES pages; where even splits merge in a CTA, or runs are short, even splits are faster.
 AUTO_BALANCED = True
-# Tail merge (zip_decode.cu TAIL_MERGE), plan(tail_merge=None) with AUTO_TAIL_MERGE: where partials go through global
-# memory (even splits a CTA cannot merge, balanced runs), the last warp to finish a (sequence, KV head) merges its
-# pieces, so no zip_merge launch follows (0.19 ms of a 21.3 ms step at 67 x 8K on the H200, profile of
-# bench/results/zip_engine_profile67_h200.json). Off: measured on the H200 (bench/zip_splits.py --balanced
-# --tail-merge, real KV, 8320 tokens, 3 interleaved rounds, bench/results/zip_splits_tail_merge_h200.json) the merge
-# launch is faster: even splits 431.4 vs 435.8 us at 67 sequences, balanced runs 422.0 vs 423.8; 0.4-1.3% at 53, 67
-# and 68, level at 66 (the counters' atomics and the last warp's serial merge cost more than the launch saves).
-AUTO_TAIL_MERGE = False
-# Programmatic dependent launch (cuda_jit.Kernel.launch(pdl=True)), plan(pdl=None) with AUTO_PDL: the kernels are
-# launched so that the GPU may schedule them while the kernel before them drains (each waits for its memory with
-# griddepcontrol.wait first). Why it was tried: zip's engine steps idle ~0.4 us before small kernels where
-# FlashInfer's piecewise steps idle ~0.1, and an eager launch with this attribute (FlashInfer's decode kernel, or a
-# trivial one) takes the process out of that slow state (bench/graph_nodes.py --sequence). Off: in the engine's
-# whole-step graph it changed nothing (67 sequences, alternated on one engine: 21.63 / 21.64 ms a step with it,
-# 21.63 / 21.65 without; bench/results/zip_engine_other_pdl_h200.json). KVTIDE_ZIP_PDL=1 turns it on (the GPU tests
-# pass that way: bench/results/gpu_tests_pdl_h200_log.txt).
-AUTO_PDL = os.environ.get("KVTIDE_ZIP_PDL", "0") == "1"
 BALANCED_MARGIN = 0.92
 BALANCED_MIN_PAGES = 64
-STAGES = {0: "K and V in registers", 1: "V staged in shared memory (cp.async)", 2: "K and V staged in shared memory"}
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How :func:`plan` lays out one decode batch; the defaults are what the engine runs.
+
+    ``num_splits``: splits per (sequence, KV head); None: the wave model (:func:`pick_splits`), or with ``waves``
+    set, enough splits for B * Hkv * splits warps to fill that many waves (at least 8 pages per split).
+    ``warps`` / ``min_blocks``: the launch shape (warps per CTA, CTAs per SM of the register budget); None: the
+    stage's first shape, or a later one the wave model rates :data:`SHAPE_MARGIN` x its time or less.
+    ``cta_merge``: where a sequence splits into 2 to :func:`max_cta_splits` parts and CTAs of that many warps need
+    no more waves, launch those and merge on chip. ``stage``: where the next page's groups wait (:data:`STAGES`;
+    None: the head_dim's default). ``balanced``: cut all units' pages, laid end to end, into equal runs, one per
+    warp (:func:`balanced_pieces`); None: the rule beside :data:`AUTO_BALANCED`. ``balanced_warps``: the grid's
+    warps for balanced runs (None or 0: one wave of the launch shape)."""
+
+    num_splits: int | None = None
+    warps: int | None = None
+    min_blocks: int | None = None
+    waves: float | None = None
+    cta_merge: bool = True
+    stage: int | None = None
+    balanced: bool | None = None
+    balanced_warps: int | None = None
 
 
 def default_stage(head_dim: int) -> int:
@@ -187,36 +164,33 @@ def shape_unsupported(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_
     one = torch.tensor([0, 1], dtype=torch.int32)
     try:
         plan(one, one[:1], torch.tensor([page_size], dtype=torch.int32), num_qo_heads, num_kv_heads, head_dim,
-             page_size, block_size=block_size, num_splits=1, device="cpu")
+             page_size, block_size=block_size, options=LaunchOptions(num_splits=1), device="cpu")
     except ValueError as e:
         return str(e)
     return None
 
 
 @functools.cache
-def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
-            cta_merge: bool = False, stage: int = 0, balanced: bool = False,
-            tail_merge: bool = False) -> dict[str, cuda_jit.Kernel]:
-    return build_source(SOURCE.read_text(), device, defines(head_dim, version, warps, min_blocks, load_hint,
-                                                             cta_merge, stage, balanced, tail_merge))
+def kernels(device: int, head_dim: int, version: int, warps: int, min_blocks: int, cta_merge: bool = False,
+            stage: int = 0, balanced: bool = False) -> dict[str, cuda_jit.Kernel]:
+    """zip_decode, zip_merge and zip_merge_balanced built for one launch shape on ``device`` (cached)."""
+    return build_source(SOURCE.read_text(), device, defines(head_dim, version, warps, min_blocks, cta_merge, stage,
+                                                             balanced))
 
 
-def defines(head_dim: int, version: int, warps: int, min_blocks: int, load_hint: int = 0,
-            cta_merge: bool = False, stage: int = 0, balanced: bool = False,
-            tail_merge: bool = False) -> dict[str, int]:
+def defines(head_dim: int, version: int, warps: int, min_blocks: int, cta_merge: bool = False, stage: int = 0,
+            balanced: bool = False) -> dict[str, int]:
     """The compile-time constants of one launch shape (cuda/zip_decode.cu's -D list)."""
     if balanced and cta_merge:
         raise ValueError("balanced runs merge through global memory: they cannot be merged in a CTA")
-    if tail_merge and cta_merge:
-        raise ValueError("the tail merge merges partials in global memory: it cannot be combined with a CTA merge")
-    return dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks, LOAD_HINT=load_hint,
-                CTA_MERGE=int(cta_merge), STAGE=stage, BALANCED=int(balanced), TAIL_MERGE=int(tail_merge))
+    return dict(HEAD_DIM=head_dim, VERSION=version, NWARPS=warps, MIN_BLOCKS=min_blocks, CTA_MERGE=int(cta_merge),
+                STAGE=stage, BALANCED=int(balanced))
 
 
 def smem_bytes(head_dim: int, warps: int, stage: int) -> int:
-    """Dynamic shared memory of a CTA (cuda/zip_decode.cu WARP_SMEM): per warp a slot of one group (16 x head_dim
-    bf16) for V, one more for K at stage 2, and Q's B fragments (16 x head_dim bytes); none at stage 0."""
-    return 0 if stage == 0 else warps * ((2 if stage >= 2 else 1) * 32 * head_dim + 16 * head_dim)
+    """Dynamic shared memory of a CTA (cuda/zip_decode.cu WARP_SMEM): per warp at stage 1 a slot of one group
+    (16 x head_dim bf16) for V and Q's B fragments (16 x head_dim bytes); none at stage 0."""
+    return 0 if stage == 0 else warps * (32 * head_dim + 16 * head_dim)
 
 
 def build_source(source: str, device: int, defs: dict[str, int]) -> dict[str, cuda_jit.Kernel]:
@@ -247,7 +221,7 @@ def cta_blocks(warps: int, min_blocks: int, splits: int) -> int:
 def build(device: torch.device | str | int, head_dim: int, version: int) -> None:
     """Compile and load every kernel :func:`plan`'s default launch shape may run (cached per process; in parallel
     threads, NVRTC releases the GIL), so that a serving engine pays for NVRTC when it starts, not inside a decode
-    step (FlashInfer's first-use JIT build was measured stalling a first decode step for ~19 s on the H200)."""
+    step (a first-use JIT build inside a step stalls that step for seconds)."""
     from concurrent.futures import ThreadPoolExecutor
 
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -255,11 +229,7 @@ def build(device: torch.device | str | int, head_dim: int, version: int) -> None
     launches = default_launches(head_dim)
     with ThreadPoolExecutor(max_workers=min(8, len(launches))) as ex:
         stage = default_stage(head_dim)
-        # with the tail merge on, a launch shape runs tail-merged where it splits, as it is where it does not
-        forms = [(w, mb, cm, bal, tail) for w, mb, cm, bal in launches
-                 for tail in ((False, True) if AUTO_TAIL_MERGE and not cm else (False,))]
-        for f in [ex.submit(kernels, index, head_dim, version, w, mb, 0, cm, stage, bal, tail)
-                  for w, mb, cm, bal, tail in forms]:
+        for f in [ex.submit(kernels, index, head_dim, version, w, mb, cm, stage, bal) for w, mb, cm, bal in launches]:
             f.result()
 
 
@@ -286,7 +256,6 @@ class PlanBuffers:
         self.indices = torch.zeros(0, dtype=torch.int32, device=self.device)
         self.generation = 0  # bumped whenever a buffer a graph may hold is replaced
         self._parts: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._arrive: torch.Tensor | None = None
 
     def page_ids(self, nnz: int) -> torch.Tensor:
         """The page-id buffer, at least ``nnz`` long."""
@@ -295,12 +264,6 @@ class PlanBuffers:
                                        device=self.device)
             self.generation += 1
         return self.indices
-
-    def arrivals(self, num_kv_heads: int) -> torch.Tensor:
-        """The tail merge's counters, one per (sequence, KV head), zero between launches (each launch re-arms them)."""
-        if self._arrive is None or self._arrive.numel() != self.batch * num_kv_heads:
-            self._arrive = torch.zeros(self.batch * num_kv_heads, dtype=torch.int32, device=self.device)
-        return self._arrive
 
     def parts(self, num_qo_heads: int, splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split partials (outputs, base-2 log-sum-exps) for the zip_merge launch, one pair per shape."""
@@ -330,16 +293,12 @@ class CudaDecodePlan:
     warps: int
     min_blocks: int
     sm_scale: float
-    load_hint: int = 0  # cache hints on the KV loads (see cuda/zip_decode.cu LOAD_HINT)
-    stage: int = 0  # where the next page's groups wait: 0 registers, 1 V in shared memory, 2 K and V (STAGE)
+    stage: int = 0  # where the next page's groups wait: 0 registers, 1 V in shared memory (STAGE)
     cta_merge: bool = False  # one CTA per (sequence, KV head), its warps the splits, merged in shared memory
     # balanced runs (BALANCED): grid_warps warps, each pages_per_split pages of all units laid end to end;
     # num_splits is then the partial slots per unit (the most pieces a unit can be cut into)
     balanced: bool = False
     grid_warps: int = 0
-    tail_merge: bool = False  # the last warp of each unit merges its partials (TAIL_MERGE): no zip_merge launch
-    pdl: bool = False  # programmatic dependent launches (AUTO_PDL)
-    arrive: torch.Tensor | None = field(default=None, repr=False)  # int32 [B * Hkv], the tail merge's counters
     opart: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S, D]
     lse: torch.Tensor | None = field(default=None, repr=False)  # fp32 [B, Hq, S], base 2
 
@@ -356,38 +315,25 @@ def graph_key(p: CudaDecodePlan) -> tuple | None:
     if p.buffers is None:
         return None
     return (p.batch, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.version, p.num_splits, p.warps, p.min_blocks,
-            p.load_hint, p.stage, p.cta_merge, p.balanced, p.grid_warps, p.tail_merge, p.pdl, float(p.sm_scale),
-            id(p.buffers), p.buffers.generation)
+            p.stage, p.cta_merge, p.balanced, p.grid_warps, float(p.sm_scale), id(p.buffers), p.buffers.generation)
 
 
 def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, num_qo_heads: int,
          num_kv_heads: int, head_dim: int, page_size: int = 16, *, block_size: int = 512, version: int = 1,
-         sm_scale: float | None = None, num_splits: int | None = None, warps: int | None = None,
-         min_blocks: int | None = None, waves: float | None = None, load_hint: int = 0,
-         cta_merge: bool = True, stage: int | None = None, device: torch.device | str | None = None,
-         buffers: PlanBuffers | None = None, splits_hint: int | None = None, balanced: bool | None = None,
-         balanced_warps: int | None = None, tail_merge: bool | None = None,
-         pdl: bool | None = None) -> CudaDecodePlan:
+         sm_scale: float | None = None, device: torch.device | str | None = None,
+         options: LaunchOptions | None = None, buffers: PlanBuffers | None = None,
+         splits_hint: int | None = None) -> CudaDecodePlan:
     """Plan one decode batch (FlashInfer-style page table); host work happens here, not per layer.
 
-    ``num_splits=None``: with ``waves`` None (default) :func:`pick_splits`'s wave model over the resident warps
-    (``min_blocks`` CTAs of ``warps`` warps per SM; with both None, the stage's first launch shape or a later one the
-    model rates :data:`SHAPE_MARGIN` x its time or less); with ``waves`` set, enough splits for B * Hkv * splits warps to
-    fill that many waves, at least 8 pages per split. ``cta_merge``: where a sequence is split into 2 to
-    :func:`max_cta_splits` parts and CTAs of that many warps need no more waves than the requested shape, launch
-    those instead and merge on chip (the plan's ``warps``/``min_blocks`` are then the CTA's). ``load_hint``: cache
-    hints on the KV loads (:data:`LOAD_HINTS`; measured no faster on the H200, so 0). ``stage``: where the next
-    page's groups wait (:data:`STAGES`; None: the head_dim's default). ``buffers``: write the device arrays into
-    these fixed buffers (same batch size) instead of new tensors, for replay in a captured graph (:func:`graph_key`).
-    ``splits_hint``: a split count to keep (a captured graph's) where the wave model rates it within
-    :data:`SPLITS_HINT_MARGIN` of its own choice; small batches' best count moves with every few pages of context,
-    and each move would cost a graph capture. ``balanced``: cut all units' pages, laid end to end, into equal runs,
-    one per warp (:func:`balanced_pieces`), instead of even splits of each unit; None: by the rule beside
-    :data:`AUTO_BALANCED` when that is on (the default), else even splits; ``balanced_warps``: the grid's warps
-    (default one wave of the launch shape). Pages per run are read from device memory, so a graph stays valid as
-    contexts grow. ``tail_merge``: where partials go through global memory, the last warp of each (sequence, KV
-    head) merges them instead of a ``zip_merge`` launch (None: :data:`AUTO_TAIL_MERGE`, off). ``pdl``: launch the
-    kernels as programmatic dependent launches (None: :data:`AUTO_PDL`)."""
+    ``options``: the launch layout (:class:`LaunchOptions`; None: its defaults). ``buffers``: write the device
+    arrays into these fixed buffers (same batch size) instead of new tensors, for replay in a captured graph
+    (:func:`graph_key`). ``splits_hint``: a split count to keep (a captured graph's) where the wave model rates it
+    within :data:`SPLITS_HINT_MARGIN` of its own choice; small batches' best count moves with every few pages of
+    context, and each move would cost a graph capture. Pages per split and per balanced run are read from device
+    memory, so a graph stays valid as contexts grow."""
+    o = LaunchOptions() if options is None else options
+    num_splits, warps, min_blocks, waves, stage = o.num_splits, o.warps, o.min_blocks, o.waves, o.stage
+    cta_merge, balanced, balanced_warps = o.cta_merge, o.balanced, o.balanced_warps
     if num_qo_heads % num_kv_heads or not 1 <= num_qo_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(f"GQA group {num_qo_heads}/{num_kv_heads} unsupported by the CUDA kernel "
                          f"(need 1..{MAX_GROUP})")
@@ -406,11 +352,8 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
     if warps is not None or min_blocks is not None:
         launches = [(launches[0][0] if warps is None else warps, launches[0][1] if min_blocks is None else min_blocks)]
     warps, min_blocks = launches[0]
-    waves = dflt["waves"] if waves is None else waves
     if not 1 <= warps <= 32 or min_blocks < 1 or (waves is not None and waves <= 0):
         raise ValueError(f"bad launch shape: warps {warps}, min_blocks {min_blocks}, waves {waves}")
-    if load_hint not in LOAD_HINTS:
-        raise ValueError(f"load_hint must be one of {sorted(LOAD_HINTS)}, got {load_hint}")
     dev = torch.device(device) if device is not None else kv_indices.device
     seqs = sequence_lengths(kv_indptr, kv_last_page_len, page_size)
     batch, max_pages = seqs.batch, seqs.max_pages
@@ -483,19 +426,14 @@ def plan(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: to
         num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, version=version, num_splits=num_splits,
         pages_per_split=pages_per_split, warps=warps, min_blocks=min_blocks,
-        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, load_hint=load_hint, cta_merge=merge_in_cta,
-        stage=stage, buffers=buffers, balanced=bool(balanced), grid_warps=grid_warps if balanced else 0,
-        pdl=AUTO_PDL if pdl is None else bool(pdl))
+        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, cta_merge=merge_in_cta,
+        stage=stage, buffers=buffers, balanced=bool(balanced), grid_warps=grid_warps if balanced else 0)
     if num_splits > 1 and not merge_in_cta:
         if buffers is not None:
             p.opart, p.lse = buffers.parts(num_qo_heads, num_splits, head_dim)
         else:
             p.opart = torch.empty(batch, num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=dev)
             p.lse = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=dev)
-        if AUTO_TAIL_MERGE if tail_merge is None else tail_merge:
-            p.tail_merge = True
-            p.arrive = (buffers.arrivals(num_kv_heads) if buffers is not None else
-                        torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=dev))
     return p
 
 
@@ -525,8 +463,8 @@ def run(p: CudaDecodePlan, q: torch.Tensor, pool: torch.Tensor, group_start: tor
         check_tables(p, pool, group_start, group_desc)
     out = torch.empty_like(q) if out is None else out
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    launch(p, kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.load_hint, p.cta_merge, p.stage,
-                      p.balanced, p.tail_merge), q, pool, group_start, group_desc, out)
+    launch(p, kernels(dev, p.head_dim, p.version, p.warps, p.min_blocks, p.cta_merge, p.stage, p.balanced), q, pool,
+           group_start, group_desc, out)
     return out
 
 
@@ -541,16 +479,13 @@ def launch(p: CudaDecodePlan, k: dict[str, cuda_jit.Kernel], q: torch.Tensor, po
     k["zip_decode"].launch(grid, 32 * p.warps, [
         q, out, p.opart if split else out, p.lse if split else out, p.indptr, p.indices, p.kv_lens, pool,
         group_start, group_desc, float(p.sm_scale * LOG2E), p.split_pages, p.num_splits, p.num_kv_heads,
-        p.group, p.batch, clock if clock is not None else p.arrive if p.tail_merge else p.kv_lens],
-        smem=smem_bytes(p.head_dim, p.warps, p.stage), pdl=p.pdl)
-    if p.tail_merge:  # merged by each unit's last warp
-        return
+        p.group, p.batch, clock if clock is not None else p.kv_lens], smem=smem_bytes(p.head_dim, p.warps, p.stage))
     if p.balanced:
         k["zip_merge_balanced"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
-            p.opart, p.lse, out, p.indptr, p.split_pages, p.num_splits, p.num_qo_heads, p.group], pdl=p.pdl)
+            p.opart, p.lse, out, p.indptr, p.split_pages, p.num_splits, p.num_qo_heads, p.group])
     elif split:
         k["zip_merge"].launch((p.batch, p.num_qo_heads, 1), p.head_dim, [
-            p.opart, p.lse, out, p.kv_lens, p.split_pages, p.num_splits, p.num_qo_heads], pdl=p.pdl)
+            p.opart, p.lse, out, p.kv_lens, p.split_pages, p.num_splits, p.num_qo_heads])
 
 
 def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -563,5 +498,5 @@ def raw_pool(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return pool, starts, desc
 
 
-__all__ = ["CudaDecodePlan", "PlanBuffers", "graph_key", "plan", "run", "check_tables", "raw_pool", "unsupported",
+__all__ = ["CudaDecodePlan", "LaunchOptions", "PlanBuffers", "graph_key", "plan", "run", "check_tables", "raw_pool", "unsupported",
            "shape_unsupported", "store_unsupported"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtide.cache import zipblocks as zb
-from kvtide.cache import zipformat as zf
+from kvtide.cache import zip_blocks as zb
+from kvtide.cache import zip_format as zf
 
 
 def encode_pages(kv_cache: torch.Tensor, block_size: int = 512, version: int = 1,

@@ -1,8 +1,8 @@
-"""Triton encode kernels for ZipFusion pages (format: :mod:`kvtide.cache.zipformat`).
+"""Triton encode kernels for ZipFusion pages (format: :mod:`kvtide.cache.zip_format`).
 
 Two launches, one program per block: ``analyze`` writes each block's descriptor; the block offsets then
-come from a torch cumsum (``zipblocks.layout``, or a caller's own placement); ``pack`` writes each block's
-bytes. The output is byte-identical to the torch reference ``zipformat.encode_groups``. The kernels know
+come from a torch cumsum (``zip_blocks.layout``, or a caller's own placement); ``pack`` writes each block's
+bytes. The output is byte-identical to the torch reference ``zip_format.encode_groups``. The kernels know
 groups, blocks and offsets only. Kernels are built on first use, so setting ``TRITON_INTERPRET=1`` any time
 before the first call runs them in the interpreter (CPU tensors).
 """
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtide.cache import zipblocks as zb
-from kvtide.cache import zipformat as zf
+from kvtide.cache import zip_blocks as zb
+from kvtide.cache import zip_format as zf
 
 from .interpret import triton_interpret
 
@@ -25,7 +25,7 @@ reference = zf.encode_groups  # the torch reference these kernels must match byt
 
 
 def _analyze_kernel(x_ptr, desc_ptr, BLOCK: tl.constexpr, VERSION: tl.constexpr):
-    """desc[pid] for block pid of x (int16 view of BF16); same rules as zipblocks.analyze."""
+    """desc[pid] for block pid of x (int16 view of BF16); same rules as zip_blocks.analyze."""
     pid = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     u = tl.load(x_ptr + pid.to(tl.int64) * BLOCK + i).to(tl.int32) & 0xFFFF
@@ -132,7 +132,7 @@ def pack(x: torch.Tensor, desc: torch.Tensor, offsets: torch.Tensor, out: torch.
 
 
 def encode_groups(x: torch.Tensor, block_size: int = 512, version: int = zf.FORMAT_VERSION) -> zf.Encoded:
-    """GPU page compression: same result as ``zipformat.encode_groups`` (the reference)."""
+    """GPU page compression: same result as ``zip_format.encode_groups`` (the reference)."""
     desc = analyze(x, block_size, version)
     starts, offsets, total = zb.layout(desc, block_size)
     data = torch.zeros(total, dtype=torch.uint8, device=x.device)

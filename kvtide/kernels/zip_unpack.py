@@ -1,9 +1,9 @@
-"""Triton decode of ZipFusion blocks into plain BF16 (format: :mod:`kvtide.cache.zipformat`).
+"""Triton decode of ZipFusion blocks into plain BF16 (format: :mod:`kvtide.cache.zip_format`).
 
 The attention kernels never decode to memory; this one does, on purpose: a restoration loads store entries kept in
 the format (fewer bytes over the link, :mod:`kvtide.store.zip_entry`) and must write plain KV into the pages of
 a backend that reads raw pages (FlashInfer). One program per block, one launch for every block of a fetch, no host
-sync (the torch reference ``zipblocks.unpack`` syncs on its masks). Byte-identical to that reference. Built on first
+sync (the torch reference ``zip_blocks.unpack`` syncs on its masks). Byte-identical to that reference. Built on first
 use, so ``TRITON_INTERPRET=1`` set before the first call runs it in the interpreter (CPU tensors).
 """
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtide.cache import zipblocks as zb
+from kvtide.cache import zip_blocks as zb
 
 from .interpret import triton_interpret
 

@@ -55,11 +55,10 @@ class ExecutorReplayTime:
     """F as the executor pays it, for one of ``batch`` requests planned together.
 
     The executor runs each layer once for every request that recomputes in it, so a layer call's fixed cost c
-    (``call_overhead``: on the 2-core CPU ~6 ms of SmolLM2's ~45 ms at 512 tokens, streaming the layer's weights)
-    is paid once, not once per request: each request is charged F(t) - c (1 - 1/n) for t > 0, exact when the
-    requests recompute in the same blocks (what the batch plans do) and never below F(t) - c. ``scale`` is the
-    measured/modelled compute ratio (``LatencyProfile.compute_scale``). F(0) = 0; nondecreasing, and convex for
-    t > 0 when F is.
+    (``call_overhead``; on a CPU mostly streaming the layer's weights) is paid once, not once per request: each
+    request is charged F(t) - c (1 - 1/n) for t > 0, exact when the requests recompute in the same blocks (what
+    the batch plans do) and never below F(t) - c. ``scale`` is the measured/modelled compute ratio
+    (``LatencyProfile.compute_scale``). F(0) = 0; nondecreasing, and convex for t > 0 when F is.
     """
 
     base: ReplayTime
@@ -106,17 +105,17 @@ class RestoreRequest:
 class BlockCost:
     """Per-block costs of a dense model: s bytes/token of KV, R bytes of fixed state, replay time F(t).
 
-    Two optional terms make the prediction match an executor (both 0 by default: the issue's objective):
+    Two optional terms make the prediction match an executor (both 0 by default: the paper's objective):
 
     * ``suffix_overhead`` c: seconds per block that the batch's suffix call costs beyond sum_r sigma_r. sigma_r =
       F(N + Ns) - F(N) is a difference, so the fixed cost of one more layer call (on a CPU: streaming the block's
-      weights, ~3 ms for SmolLM2; on a GPU: launches) cancels out of it, yet the executor pays it once per block.
+      weights; on a GPU: launches) cancels out of it, yet the executor pays it once per block.
       It enters like sigma: compute P + L (sum sigma + c), load Q/B + sum sigma + c (only with suffix tokens).
     * ``fixed_seconds``: time of every restoration outside both paths (thread start, logits, final sync); added
       to the predicted total, it moves no boundary.
-    * ``suffix_scale`` k: sigma_r is taken as k (F(N + Ns) - F(N)). F comes from replays from position 0; a suffix
-      call over thousands of new tokens ran at 0.37x that difference on the H200 (F's top knots came from whole
-      prefills), and with sigma 2.7x high the plan loaded everything where recomputing part was free.
+    * ``suffix_scale`` k: sigma_r is taken as k (F(N + Ns) - F(N)). F comes from replays from position 0 (its top
+      knots possibly from whole prefills), so a long suffix call need not run at that difference, and a sigma that
+      is too high makes the plan load everything where recomputing part would be free.
     """
 
     num_blocks: int

@@ -1,64 +1,11 @@
 """Run a restoration plan: recompute a staircase on the compute thread while an I/O thread loads the rest.
 
-For request r and block (= layer) i the plan says j_ri: tokens [start_r, j_ri) are recomputed, [j_ri, N_r)
-are loaded from a store (one entry per (chunk, layer)). Order of work, which is what the planner's objective
-max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1):
-
-* I/O thread: layers in order 0..L-1, for each layer every request's chunks from j_ri on, in batches (one
-  ``store.fetch`` round trip per batch of up to ``LoadConfig.batch_bytes``). A batch may hold the entries of up
-  to ``LoadConfig.merge_layers`` consecutive layers (default 1: a layer's entries alone). A staircase loads a
-  little in every layer, and on the H200 each batch seemed to cost ~2.4 ms beyond its bytes, as long as a batch-1
-  layer's bytes at 40-80 Gbps; sharing batches cuts their number, but a layer is then signalled only once the
-  batch holding its last entry is placed, and the last batch's verify is not hidden behind link time. On the CPU
-  (``bench/restore_fetches.py``, ``restore_fetches_cpu.json``) 4 layers a batch moved median TTFT by -18% to +15%
-  with link and method, no clear gain: the default stays 1 until an H200 run of that bench decides. The next
-  batch is fetched before this one is verified and placed (``read_ahead``), so the link keeps moving bytes while
-  the CPU checks them.
-  Each entry is verified by the store (checksum, length, token ids) without a copy, checked for shape, and copied
-  once into the request's pages of that layer (whole pages: loads are chunk-aligned). On CUDA the entries of a
-  batch go into a pinned staging buffer (torch's caching host allocator hands a block out again only after its
-  copy has finished), then one non-blocking host-to-device copy and the page writes run on the I/O thread's own
-  stream. Entries of a tier in page-locked memory (``PinnedMemoryStore``, ``Fetched.pinned``) skip the staging
-  copy: each goes to the device by DMA straight from its record, and the fetch's lease on those records is
-  released behind a CUDA event recorded after the copies.
-  Verify + stage run on ``LoadConfig.workers`` threads (XXH3 and tensor copies release the GIL); 0 on CPU,
-  where the one other core is the compute thread's, and 2 on CUDA: more verify threads slow the compute thread's
-  kernel launches (8 with CRC-32 records doubled its layer times on the H200) for a load path that 2 keep at
-  link speed. After a layer's last batch it signals that layer (a
-  ``threading.Event``; on CUDA also an event recorded on the I/O stream, which the compute stream waits on,
-  so copies overlap compute). A store without ``fetch`` is read entry by entry (``get_entry``).
-* compute thread (the caller): first the staircase: the embeddings of [start, j_0) through layer 0, keep the
-  rows [start, j_1) of its output for layer 1, and so on (causal attention: recomputed tokens attend only to
-  earlier tokens, all recomputed or already on the device); every layer writes its K/V into the pages. Then
-  the suffix (the new tokens) layer by layer, each layer as soon as its loads are in; then logits of the last
-  suffix row. So compute does P + L*sigma and the last suffix layer waits for all loads (Q/B + sigma).
-  On CUDA nothing on the compute side synchronises the host per layer: layer times come from CUDA events read
-  once at the end (the profile's F(t), the suffix and wait figures).
-
-Stealing (``LoadConfig.steal``, off by default, on in the engine for hybrid plans): a plan is only as good as
-its prediction, and a compute thread slowed by anything the profile did not see (another process on the core,
-clock changes) leaves the link idle at the end. Then the I/O thread, its planned loads done, takes recompute
-work back: the top chunk [j - C, j) of a staircase layer the compute thread has not started yet is loaded
-instead (the layer with the largest boundary whose step allows it, so the most expensive recompute goes first
-and the staircase stays non-increasing). The compute thread claims each layer's boundary under a lock before
-it runs it, so a layer is either stolen from before it starts or not at all; the suffix waits for the steal in
-flight (at most one chunk). Loads stay correct for the same reasons as planned ones; a failed stolen load is an
-ordinary failure (its position is the new boundary, so the fallback starts at or below it).
-
-Failures: any error on an entry (``StoreError`` or anything else the tier raises, also mid-load) marks that
-(request, chunk) bad; the request leaves the suffix batch, and after the loads end its tokens from the first
-bad position m on are recomputed through every layer as a plain (chunked) prefill over positions
-[m, N + Ns): KV below m is complete in every layer (recomputed or verified loads), so this is exactly a
-prefill continuation. Garbage never reaches attention; the fallback is counted.
-An entry's own failure (missing, corrupt, forged, oversize, unreadable: the tier answered) costs that request only;
-the other requests of the batch keep loading. A tier-level failure (``StoreUnavailable``: the tier as a whole did not
-answer) marks the tier down for the rest of the restoration: every request's remaining loads are skipped (recorded,
-so each fallback starts low enough) instead of each paying the dead tier's timeout.
-Reads are bounded: every fetch carries ``max_bytes`` (``record_bytes_bound`` of a chunk's entry at the KV dtype), so
-a tier refuses an oversized entry unread, and every entry must hold ``kv_dtype`` (when known) and the port's shape.
-
-The executor talks to the model through ``ModelPort`` (run one layer over row segments, write K/V of given
-positions, logits) so it knows nothing of the engine's scheduler or page tables.
+For request r and block (= layer) i the plan's boundary j_ri splits the prefix: [start_r, j_ri) is recomputed,
+[j_ri, N_r) is loaded from a store (one entry per (chunk, layer)), in the order the planner's objective
+max(P + L*sigma, Q/B + sigma) assumes (CacheFlow §3.2, appendix A.1). A failed entry sends its request to a plain
+prefill from the first bad position, so unverified KV never reaches attention. The executor sees the model only
+through ``ModelPort``. The design and its reasons (read-ahead, verify workers, stealing, failures) are in
+docs/design/executor.md.
 """
 
 from __future__ import annotations
@@ -74,7 +21,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
-from kvtide.cache import zipblocks as zip_blocks
+from kvtide.cache import zip_blocks
 from kvtide.store.base import ChunkCorrupt, StoreUnavailable, record_bytes_bound, token_array
 from kvtide.store.zip_entry import BLOCK_SIZE as ZIP_BLOCK_SIZE
 from kvtide.store.zip_entry import ZipEntry
@@ -152,8 +99,7 @@ class LoadConfig:
     host-to-device copy). ``read_ahead``: fetches in flight beyond the batch being placed (the link works while
     the CPU verifies); None picks 2 on CUDA and 1 on a CPU device (``resolved_read_ahead``). ``workers``: threads
     that verify and stage a batch's entries in parallel; None picks 0 on a CPU device (its spare core already runs
-    this thread) and min(2, cores // 2) on CUDA (see the module docstring).
-    ``steal``, ``merge_layers``: see the module docstring.
+    this thread) and min(2, cores // 2) on CUDA. ``steal``, ``merge_layers``: docs/design/executor.md.
     """
 
     batch_bytes: int = 64 << 20
@@ -174,11 +120,8 @@ class LoadConfig:
             raise ValueError(f"workers must be None or an int >= 0, got {self.workers!r}")
 
     def resolved_read_ahead(self, device: torch.device) -> int:
-        """None: 2 on CUDA, 1 on a CPU device. On the H200 (pinned tier, 8B shape, 2026-11-30) one fetch ahead left
-        the link idle whenever a batch's verify ran long: load-only at batch 4 on 40 Gbps moved 3.7 GB/s against the
-        link's 5 (4.9 with two ahead), and CacheFlow at batch 4 on 80 Gbps took 0.54-0.63 s against 0.47-0.48
-        (``restore_random_llama3-8b_cuda_isolated_ab_read_ahead_*.json``). On the 2-core CPU (SmolLM2, 4 runs of each,
-        alternated) neither did better, so it stays 1 there (``restore_smollm2-135m_cpu_isolated_ab_read_ahead_*``)."""
+        """None: 2 on CUDA (with one fetch ahead the link idles whenever a batch's verify runs long), 1 on a CPU
+        device (verify shares the cores with the compute thread; a second fetch ahead gains nothing there)."""
         if self.read_ahead is not None:
             return self.read_ahead
         return 2 if device.type == "cuda" else 1
@@ -845,8 +788,8 @@ def _keep_rows(h: torch.Tensor, prev: Sequence[Segment], segs: Sequence[Segment]
     """The rows of ``prev``'s output ``h`` that feed ``segs`` (same starts, each end <= its previous end).
 
     Slices on the device: an index built on the host and copied over would be a pageable host-to-device copy,
-    which synchronises the host with the device once per staircase layer (measured on the H200: the host then
-    waits out every layer before it launches the next one)."""
+    which synchronises the host with the device once per staircase layer (the host would then wait out every
+    layer before it launches the next one)."""
     off = {}
     o = 0
     for s in prev:

@@ -5,32 +5,12 @@ Q = sum d_r(j_ri), sigma_r = F(N_r + Ns_r) - F(N_r), the plan minimises
 
     T = max(P + L * sum_r sigma_r,  Q / B + sum_r sigma_r).
 
-Costs are additive and blocks identical, so the order of boundaries does not change T: any multiset of
-boundaries sorts into a valid staircase. The planner therefore searches multisets and sorts at the end.
-
-Two exact solvers of the same quantised problem:
-
-* ``dp`` -- the paper's DP: for each achievable avoided transfer x (in units of s*tau bytes, tau =
-  gcd(C, all N_r), so every KV amount is exact and only R is rounded), the least recompute D[x], over all
-  (request, block) items; then argmin over x of the objective, choosing between states by their exact bytes.
-  Work ~ sum over items of (states so far) x (grid points); above ``max_dp_work`` the unit is coarsened to
-  whole chunks (1, 2, 4, ... chunks), which the returned ``quantisation_bound_seconds`` accounts for.
-* ``single`` -- the ``fast`` conditions with one request (the common case): for each number k of blocks that
-  recompute, water-filling makes the least recompute of m chunks k h(q) + e (h(q+1) - h(q)) (q = m // k, e = m % k),
-  increasing and convex in m while the load falls linearly, so the best m sits where they cross: one [L, K]
-  table of level crossings, a handful of numpy calls (~20 us), exact.
-* ``fast`` -- used when R = 0, every N_r is a multiple of C and f(c) = F(cC) is convex on c >= 1 (F convex
-  for t > 0 with any per-call overhead jump at 0, which is what a profile of overhead + attention gives).
-  Then, for a fixed number k of blocks that recompute anything, the best such blocks are the k with the
-  largest caps and the least recompute for a given avoided amount is water-filling (all levels within one
-  chunk), which is convex in x; the objective is minimised by a vectorised binary search on the level,
-  for all k at once. O((#requests * L) * #requests * log K) numpy work; exact.
-
-Quantisation bound (appendix A.1, Theorem 4, generalised to a batch and to per-choice rounding): if
-e_r(j) = (rounded avoided bytes) - (exact avoided bytes) for grid point j of request r, the returned plan
-satisfies T(plan) <= T*_C + sum_r L * (max_j e_r(j)^+ + max_j e_r(j)^-) / B, where T*_C is the best
-staircase on the chunk grid. With only R rounded (tau divides every N_r) this is sum_r L |e_r| / B with
-|e_r| <= s*tau/2 <= s*C/2: the paper's L|e|/B per request. It is 0 when R = 0.
+Costs are additive and blocks identical, so any multiset of boundaries sorts into a valid staircase: the planner
+searches multisets and sorts at the end. Solvers of the same quantised problem: ``dp`` (the paper's DP, coarsened
+above ``max_dp_work``), ``single`` (one request, exact) and ``fast`` (R = 0, chunk-aligned prefixes, convex F;
+exact). Every plan carries ``quantisation_bound_seconds``, the most it can lose to the best staircase on the chunk
+grid (appendix A.1, Theorem 4, generalised to a batch). How each solver works and why it is exact:
+docs/design/planner.md.
 """
 
 from __future__ import annotations

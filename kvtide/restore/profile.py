@@ -1,33 +1,11 @@
 """Online latency profile F(t) and load-bandwidth estimate for the planner (CacheFlow §3.2, "in practice").
 
-The engine reports (tokens, seconds) after prefills it runs anyway; F is rebuilt from per-bucket medians so
-one slow outlier (GC pause, page fault) does not move the plan. Buckets are log-spaced because prefill
-lengths span orders of magnitude and relative accuracy is what matters.
-
-Shape of F (``convex=True``, the default): the least-squares convex, nondecreasing piecewise-linear fit of the
-bucket medians (relative error, weighted by count): F(t) = a + b t + sum_k c_k max(0, t - t_k) over the bucket
-positions t_k with a, b, c_k >= 0, solved as a non-negative least-squares problem; extended affinely below the
-first bucket and clamped at 0 with F(0) = 0. That is "per-call overhead + convex work": convex for t > 0 with a
-possible jump at 0, the structure the planner's fast solver needs. A least-squares fit passes through the middle
-of noisy medians; the lower convex hull used before ran under them wherever they were not convex (on the 2-core
-CPU, executor layers of 384-448 tokens measured 15% above the hull's chord), and a prediction that sums F over
-30 layers inherits such a bias whole. With ``convex=False`` F is the monotone piecewise-linear interpolation of
-the medians through (0, 0).
-Above the largest observation F grows like a power law t^p with p in [1, 2] taken from the last two knots
-(attention makes long prefixes superlinear), never below the linear continuation.
-
-Besides F and the bandwidth, what the staircase objective needs to predict a restoration as the executor runs it
-(``kvtide.restore.costs.BlockCost``, ``ExecutorReplayTime``): ``suffix_overhead``, seconds per block a suffix
-layer call takes beyond F(N + Ns) - F(N) (a call's fixed cost cancels out of that difference; before any
-observation the prior is F(1), a one-token call); ``fixed_overhead``, seconds of a restoration outside both
-paths; ``suffix_scale``, the slope of measured suffix calls over F(N + Ns) - F(N) (robust, from calls of different
-lengths); ``compute_scale`` (and ``compute_scale_for(batch)``, per batch size), measured over modelled staircase
-time; and ``call_overhead``, F's intercept (the part of a layer call that a batch pays once; ``call_overhead_at(t)``
-reads that part off F near t). The overheads and the compute scale are lower medians of the executor's last
-``overhead_window`` measurements, not running averages: the first restoration of a process pays one-off costs
-(kernel selection, allocator growth; 10x a warm suffix call on the H200), and an average that starts there kept the
-suffix estimate 7x high for many restorations, so plans loaded far more than they should (measured: CacheFlow
-slower than recompute-only). Outliers of this kind are always slow, hence the lower median.
+The engine and the executor report (tokens, seconds) of work they run anyway. F is a convex, nondecreasing
+piecewise-linear least-squares fit of log-spaced bucket medians (per-call overhead + convex work, the shape the
+planner's fast solver needs), extended as a power law above the largest observation. Beside F the profile keeps
+what predicting the executor needs: separate bandwidths for loads alone and beside a replay, and the suffix,
+fixed-overhead and compute-scale corrections as lower medians of recent measurements (one-off slow runs do not
+stick). Why each of these: docs/design/executor.md.
 """
 
 from __future__ import annotations
@@ -57,12 +35,11 @@ class ProfileConfig:
     bandwidth_alpha: float = 0.2  # EWMA weight of the newest load-bandwidth observation
     overhead_window: int = 9  # executor measurements kept for the suffix/fixed overheads and the compute scale
     # loads that ran beside a replay get their own bandwidth estimate, which hybrid plans read (False: one estimate
-    # over every load, as before; kept for A/B runs)
+    # over every load, for comparison)
     separate_overlapped_loads: bool = True
-    # the executor's first layer call at each token count in a process is not recorded (observe_call): on the H200 it carried one-off costs
-    # (2-10 ms over a 1-8 ms call, a new shape's kernel selection), and one such observation alone in a bucket lifted
-    # F flat at ~10 ms from 512 to 8,192 tokens (restore A/B of 2026-11-30, ..._ab3_store_pinned.json), after which
-    # plans recomputed whole layers and b4 restorations ran 1.6x their prediction. Prefill observations are kept.
+    # the executor's first layer call at each token count in a process is not recorded (observe_call): it carries a
+    # new shape's one-off costs, and one such observation alone in a bucket can lift F flat over a wide range of
+    # token counts. Prefill observations are kept.
     skip_first_layer_call: bool = True
 
     def __post_init__(self) -> None:
@@ -227,9 +204,8 @@ class LatencyProfile:
 
         ``source``: "layer" for a layer call timed alone (the executor's replay, what F predicts), "prefill" for a
         whole-model step divided by its blocks (the engine's prefills; it carries per-step costs a layer call does
-        not). A bucket that holds layer calls uses only them: on the H200, with both mixed, F sat flat at 4.1 ms per
-        layer from 512 to 2,048 tokens (an 8,192-token layer call took ~10 ms) and predictions were off by a
-        median 29%."""
+        not). A bucket that holds layer calls uses only them: mixed with prefills, F flattens where prefills
+        dominate and predictions drift."""
         if source not in ("layer", "prefill"):
             raise ValueError(f"source must be 'layer' or 'prefill', got {source!r}")
         tokens = int(tokens)
@@ -259,9 +235,8 @@ class LatencyProfile:
         """Record a load of ``nbytes`` bytes that took ``seconds``; updates the bandwidth EWMA.
 
         ``overlapped``: the compute side replayed layers while this load ran. Such loads get their own estimate:
-        the load path shares the host (GIL, memory copies) and the device with the replay. On the H200 (8B shape,
-        40 Gbps link) loads alone ran at 4.5 GB/s and the same loads beside a replay at 3.3-3.5 GB/s, so plans
-        made with one mixed figure loaded ~30% more than the link delivered in time."""
+        the load path shares the host (GIL, memory copies) and the device with the replay, so those loads run
+        slower, and plans made with one mixed figure load more than the link delivers in time."""
         nbytes, seconds = float(nbytes), float(seconds)
         if nbytes <= 0 or seconds <= 0 or not (math.isfinite(nbytes) and math.isfinite(seconds)):
             return  # nothing measurable (cache hit in RAM, clock resolution): ignore rather than skew
@@ -293,11 +268,11 @@ class LatencyProfile:
         """A staircase of ``batch`` requests took ``seconds`` where the cost model (F summed over its layers) said
         ``modelled_seconds``.
 
-        F is a per-bucket median of single layer calls; a sum over 30 layers runs at their mean, ~5-10% above the
-        median on a shared CPU (a descheduled layer is slow, none is fast), and batched layer calls differ from
+        F is a per-bucket median of single layer calls; a sum over many layers runs at their mean, above the
+        median on a shared host (a descheduled layer is slow, none is fast), and batched layer calls differ from
         the additive model. The ratio (clamped to [0.5, 2], lower median of the recent ones) scales F in the
-        plan's cost, per batch size: the additive model's error depends on it (H200, 8,192-token requests: one
-        request ran 0.8x its model, four in one batch 1.5x), and one scale for all sizes was wrong for both.
+        plan's cost, per batch size: the additive model's error depends on it, and one scale for all sizes is
+        wrong for each.
         """
         s, m = float(seconds), float(modelled_seconds)
         if s > 0 and m > 0 and math.isfinite(s / m) and batch >= 1:
@@ -335,10 +310,9 @@ class LatencyProfile:
         secant over [tokens/2, tokens], 2 F(t/2) - F(t), in [0, ``call_overhead``].
 
         F's global intercept is the cost of a nearly empty call; whether batching saves it depends on where the
-        calls sit. Streaming a small model's weights on the CPU (SmolLM2 at 512 tokens) is a fixed cost per call,
-        but an 8B layer over thousands of tokens on the H200 is compute-bound, linear in the tokens of the batch:
-        there F is flat below ~2K tokens (intercept 2.3 ms) yet four 8K-token requests in one call took 1.02-1.04x four
-        single calls, and charging each request F(t) - 0.75 x 2.3 ms predicted their staircase at half its time."""
+        calls sit. Streaming a small model's weights on a CPU is a fixed cost per call, but a large layer over
+        thousands of tokens on a GPU is compute-bound, linear in the tokens of the batch, so a batch of such calls
+        saves almost none of the global intercept."""
         c = self.call_overhead
         t = float(tokens)
         if c <= 0.0 or t <= 1.0:

@@ -5,6 +5,9 @@ response bodies and stream chunks · generation.py engine requests of one HTTP r
 completion and chat handlers · streaming.py server-sent events · metrics.py Prometheus metrics · app.py the routes ·
 serve.py the uvicorn runner and its signals. Only the engine's public API is used (LLM, EngineLoop, stats).
 """
+from ..extras import require_extra
 from .config import ServerConfig
+
+require_extra("serve", "kvtide serve")  # FastAPI, uvicorn, prometheus-client: a missing one names the pip command
 
 __all__ = ["ServerConfig"]

@@ -6,9 +6,8 @@ restoration counters) is read there too, after a step, into an immutable `Engine
 the HTTP threads never touch the engine's structures. A snapshot is taken at most every ``SNAPSHOT_INTERVAL_S``
 and after every finished or aborted request, so an idle engine always shows its final state.
 
-``request_queue_time_seconds`` is the time from arrival to the start of the step that produced the request's first
-token (its TTFT less that step's duration): the queue time when the prompt is prefilled in one step, an upper bound
-when it is prefilled in chunks.
+``request_queue_time_seconds`` is the time from arrival to the first step that took the request in (its prefill's
+first chunk or its restoration), as the scheduler records it.
 """
 from __future__ import annotations
 
@@ -85,8 +84,8 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=reg).labels(model_name)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token.", labels,
                              buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to the start of the step that "
-                                    "produced the first token.", labels, buckets=LATENCY_BUCKETS,
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to the first step that took "
+                                    "the request in.", labels, buckets=LATENCY_BUCKETS,
                                     registry=reg).labels(model_name)
         reg.register(_EngineCollector(self))
         ProcessCollector(registry=reg)
@@ -118,8 +117,8 @@ class ServerMetrics:
                 self.totals["prompt"] += len(out.prompt_token_ids)
             if out.ttft is not None:
                 self.ttft.observe(out.ttft)
-                step = self.engine.stats.last_step[2]
-                self.queue_time.observe(max(0.0, out.ttft - step))
+            if out.queue_time is not None:
+                self.queue_time.observe(out.queue_time)
         elif n and track.last is not None:
             for _ in range(n):
                 self.itl.observe((now - track.last) / n)
@@ -136,7 +135,7 @@ class ServerMetrics:
     def take_snapshot(self) -> EngineSnapshot:
         eng = self.engine
         sch, bm = eng.scheduler, eng.block_manager
-        store = eng.store
+        store = eng.pool  # the compressed page pool (None: the fixed cache)
         if store is None:
             usage = 1.0 - len(bm.free) / bm.num_pages if bm.num_pages else 0.0
             ratio = 1.0

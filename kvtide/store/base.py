@@ -1,11 +1,8 @@
 """Store interface and counters: tiers move bytes, this class formats, verifies, counts and logs.
 
-Granularity: one entry per (chunk, layer block), not one record per chunk with per-layer offsets. A plan
-loads layers [i, L) of chunk c, and separate entries make that a plain GET on every tier (memory, file,
-Redis) with no ranged-read support needed; each entry has its own checksum, so a corrupt layer costs a
-recompute of that layer's tokens only; entries can be written as soon as each layer's KV exists; and the
-Redis tier can fetch many with one MGET. The price is L small headers (~150 B against >= 12 KiB of KV).
-The record format is :mod:`kvtide.store.record` (names re-exported here); errors :mod:`kvtide.store.errors`.
+Granularity: one entry per (chunk, layer block), so a plan's loads of layers [i, L) are plain GETs on every tier
+and a corrupt layer costs only that layer's recompute (why: docs/design/store.md). The record format is
+:mod:`kvtide.store.record` (names re-exported here); errors :mod:`kvtide.store.errors`.
 
 Loads in bulk: ``fetch`` reads the raw bytes of many entries in one round trip (one lock, one MGET) and says when
 they are across the link (``ready_at``; a ``BandwidthLimitedStore`` reserves the link then, so the next fetch

@@ -1,11 +1,10 @@
 """In-process tier in page-locked host memory: a load's bytes go to the device by DMA, with no staging copy.
 
 Why: with records as ordinary bytes, every loaded byte crosses host memory three times before it reaches the GPU
-(the checksum reads it, a copy into a pinned staging buffer reads and writes it, the device copy reads it). On
-the H200 host that path topped out at 5.5 GB/s (44 Gbps) on two threads (``bench/load_path.py``), below the
-80 Gbps link it serves. Here records are built in and read from page-locked slabs, so a load is the checksum
-(CPU) then one host-to-device copy straight from the record: what a serving engine's CPU tier does, and what a
-NIC that DMAs into pinned receive buffers gives a remote tier.
+(the checksum reads it, a copy into a pinned staging buffer reads and writes it, the device copy reads it), and
+that path can run below the link it serves (``bench/load_path.py``). Here records are built in and read from
+page-locked slabs, so a load is the checksum (CPU) then one host-to-device copy straight from the record: what a
+serving engine's CPU tier does, and what a NIC that DMAs into pinned receive buffers gives a remote tier.
 
 Memory: ``capacity_bytes`` of slabs (``slab_bytes`` each, allocated as the tier fills), records placed first-fit
 at 64-byte offsets (``PAYLOAD_ALIGN``: payloads stay aligned). Eviction is LRU over record bytes, like

@@ -18,10 +18,10 @@ Record format, version 4 (all little endian)::
 
 Versions 1 (blake2b-128, no padding), 2 (CRC-32 then 12 zero bytes) and 3 (v4 without flags) are read only by a
 store without a secret. The unkeyed digest does not cover the header: its fields are checked against the record's
-length, and a flipped flag or version bit fails the MAC, flag or token check instead. Speed: XXH3-128 verifies at
-~18 GB/s a core (blake2b 0.6, CRC-32 1.6 on this 2-core CPU), so the load path keeps link speed on one thread; it
-is an integrity check against torn, truncated or flipped bytes (all but ~2^-128 of random damage), not a defence
-against a forger: that is the secret's MAC (~1.6 GB/s a core with SHA extensions, GIL released).
+length, and a flipped flag or version bit fails the MAC, flag or token check instead. XXH3-128 because it verifies
+an order of magnitude faster than blake2b or CRC-32, so the load path keeps link speed on one thread; it is an
+integrity check against torn, truncated or flipped bytes (all but ~2^-128 of random damage), not a defence against
+a forger: that is the secret's MAC (slower, GIL released; docs/design/store.md).
 
 Parsing is bounded before anything is allocated: the caller's ``max_bytes`` (``record_bytes_bound``), the
 metadata length, and every metadata field's type and range (JSON errors of any kind, deep nesting, NaN/Infinity,
@@ -100,9 +100,9 @@ def token_array(tokens: Sequence[int]) -> Sequence[int]:
 
 
 def _token_bytes_fast(tokens: Sequence[int] | np.ndarray) -> bytes:
-    """``token_bytes`` for the hot path: a ``token_array`` slice as its bytes (~0.2 us for a 512-token chunk), a list
-    of ints through ``array`` (~5 us; out-of-range ids raise OverflowError there too); anything else, or a big-endian
-    host, through the general version."""
+    """``token_bytes`` for the hot path: a ``token_array`` slice as its bytes (one copy), a list of ints through
+    ``array`` (out-of-range ids raise OverflowError there too); anything else, or a big-endian host, through the
+    general version."""
     if _U32 and sys.byteorder == "little":
         if isinstance(tokens, array.array) and tokens.typecode == _U32:
             return tokens.tobytes()
@@ -157,8 +157,7 @@ def encode_record(
     Built in one torch-allocated buffer: the KV is copied straight into its payload slot by a torch copy and
     hashed by xxhash (or HMAC), all of which release the GIL. A ``b"".join`` of the parts allocates, faults in and
     copies megabytes with the GIL held, and a background writer doing that makes every torch call of the engine
-    thread wait for it (``bench/writer_interference.py``: steps of small torch calls 5.9x slower while the writer
-    drains 8B-shape records that way, 1.2x with this encoder).
+    thread wait for it (``bench/writer_interference.py`` measures the difference).
     """
     zipped = isinstance(kv, ZipEntry)
     if not zipped and not isinstance(kv, torch.Tensor):
@@ -213,7 +212,7 @@ def encode_record(
 
 
 # Metadata after its key and layer (dtype, shape, token count, byte order: the same for every entry of a model),
-# parsed once: a JSON parse per entry was ~5 us of the ~40 us of GIL-held work of a load's verify. Bounded.
+# parsed once: a JSON parse per entry would be a large share of the GIL-held work of a load's verify. Bounded.
 _META_TAILS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, str | None, int]] = {}
 _META_TAILS_MAX = 256
 
@@ -304,8 +303,8 @@ def _authenticate(view: memoryview, version: int, flags: int, digest: bytes, aut
         return
     if keyed:
         raise ChunkForged(f"{name}: record is signed with a secret and this store has none", name)
-    # v3/v4 digest meta || body, which lie back to back from the header on: one XXH3 call over them is ~10% faster
-    # than the streaming update of _digest (2 MiB entries, in cache or not), and it releases the GIL the same way
+    # v3/v4 digest meta || body, which lie back to back from the header on: one XXH3 call over them is faster than
+    # the streaming update of _digest, and it releases the GIL the same way
     if version >= 3:
         got = xxhash.xxh3_128_intdigest(view[HEADER_BYTES:]).to_bytes(16, "little")
     else:  # blake2b and CRC-32 of meta || body, streamed: the split between the two does not matter
@@ -370,7 +369,7 @@ def decode_record(
         raise TokenMismatch(f"{name}: the request's token ids cannot be stored ids ({e})", name) from None
     if len(expect_tok) != 4 * n_tok:
         raise TokenMismatch(f"{name}: record holds {n_tok} tokens, the request's chunk {len(expect_tok) // 4}", name)
-    stored_tok = body[:tok_len].tobytes()  # a memoryview compared with bytes goes item by item: ~20x slower
+    stored_tok = body[:tok_len].tobytes()  # a memoryview compared with bytes goes item by item, far slower
     if stored_tok != (token_hash(expect_tok, auth) if hashed else expect_tok):
         raise TokenMismatch(f"{name}: stored token ids differ from the request's prefix", name)
     payload = body[tok_len:]

@@ -30,7 +30,9 @@ import inspect
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-import redis
+from kvtide.extras import require
+
+redis = require("redis", "redis", "the Redis tier")
 from redis.backoff import NoBackoff
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, ConnectionPool, SSLConnection
 from redis.retry import Retry

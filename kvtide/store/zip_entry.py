@@ -1,9 +1,9 @@
 """Store entries kept in the ZipFusion format (lossless, 12 bits per BF16 value where a block allows).
 
-Why: a restoration's loads are bound by the link (10 Gbps carries an 8B-shape model's 8K-token prefix in ~0.87 s
-against ~0.27 s to recompute it on an H200: bench/results/restore_random_llama3-8b_cuda_isolated_pinned_*.json), so
-every byte an entry does not carry moves the CacheFlow balance point toward loading. The format is the resident one
-(:mod:`kvtide.cache.zipformat`, v1, 512-value blocks): encoded on the GPU where the finished request's KV already is
+Why: a restoration's loads are bound by the link (on a GPU, moving a long prefix's KV over a 10 Gbps link takes
+several times as long as recomputing it), so every byte an entry does not carry moves the CacheFlow balance point
+toward loading. The format is the resident one
+(:mod:`kvtide.cache.zip_format`, v1, 512-value blocks): encoded on the GPU where the finished request's KV already is
 (``encode_entries``: the Triton analyse and pack kernels into fixed-size slots, no host sync), decoded on the GPU by
 one launch per fetch (:mod:`kvtide.kernels.zip_unpack`), so no host core touches a value either way.
 
@@ -19,8 +19,8 @@ import math
 import numpy as np
 import torch
 
-from kvtide.cache import zipblocks as zb
-from kvtide.cache import zipformat as zf
+from kvtide.cache import zip_blocks as zb
+from kvtide.cache import zip_format as zf
 
 CODEC = "zip1"
 BLOCK_SIZE = 512

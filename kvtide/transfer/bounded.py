@@ -7,6 +7,7 @@ is a ContainerError naming the codec, what the frame declared and what was expec
 """
 from __future__ import annotations
 
+from ..extras import require
 from .errors import ContainerError
 
 _ZSTD_MIN_WINDOW = 1 << 10
@@ -14,7 +15,7 @@ _ZSTD_MAX_WINDOW = 1 << 27  # zstd's default limit; an encoder knowing its input
 
 
 def zstd(data: bytes, size: int) -> bytes:
-    import zstandard
+    zstandard = require("zstandard", "transfer", "the zstd codec")
     try:
         declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as e:
@@ -33,6 +34,7 @@ def zstd(data: bytes, size: int) -> bytes:
 
 
 def lz4(data: bytes, size: int) -> bytes:
+    require("lz4", "transfer", "the lz4 codec")
     import lz4.frame
     try:
         declared = lz4.frame.get_frame_info(data)["content_size"]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..extras import require
 from . import bounded, rans
 from .errors import ContainerError, SpecError
 from .stage import Stage, Stream, check_int, register
@@ -164,7 +165,7 @@ class Zstd(_Bytes):
         check_int("zstd level l", self.l, 1, 22)
 
     def _c(self, b):
-        import zstandard
+        zstandard = require("zstandard", "transfer", "the zstd codec")
         return zstandard.ZstdCompressor(level=self.l).compress(b)
 
     def _d(self, b, size):
@@ -181,8 +182,8 @@ class Lz4(_Bytes):
         check_int("lz4 level l", self.l, 0, 16)
 
     def _c(self, b):
-        import lz4.frame
-        return lz4.frame.compress(b, compression_level=self.l)
+        lz4_frame = require("lz4.frame", "transfer", "the lz4 codec")
+        return lz4_frame.compress(b, compression_level=self.l)
 
     def _d(self, b, size):
         return bounded.lz4(b, size)
@@ -222,7 +223,7 @@ class Ans(Codec):
 @register(Codec)
 @dataclass(frozen=True)
 class ZipFusion(Pack):
-    """Lossless ZipFusion BF16 format (kvtide.cache.zipformat) for BF16 streams; codes bit-packed."""
+    """Lossless ZipFusion BF16 format (kvtide.cache.zip_format) for BF16 streams; codes bit-packed."""
 
     name: ClassVar[str] = "zipf"
     bs: int = 512
@@ -238,18 +239,18 @@ class ZipFusion(Pack):
         if not s.bf16:
             return super().encode(s)
         import torch
-        from kvtide.cache import zipformat
+        from kvtide.cache import zip_format
         flat = s.data.ravel().view(np.int16)
         flat = np.concatenate([flat, np.zeros((-flat.size) % self.bs, np.int16)])  # the format wants whole blocks
         x = torch.from_numpy(flat).view(torch.bfloat16)
         kw = {"version": self.v} if self.v != 1 else {}  # the base API is encode(x, block_size)
-        return _serialise(zipformat.encode(x, block_size=self.bs, **kw))
+        return _serialise(zip_format.encode(x, block_size=self.bs, **kw))
 
     def decode(self, data, dtype, shape, bits, bf16):
         if not bf16:
             return super().decode(data, dtype, shape, bits, bf16)
         import torch
-        from kvtide.cache import zipformat
+        from kvtide.cache import zip_format
         n = _n(shape)
         padded = n + (-n) % self.bs
         fields = _deserialise(data)
@@ -259,7 +260,7 @@ class ZipFusion(Pack):
         if "shape" in fields and (not isinstance(fields["shape"], tuple) or math.prod(fields["shape"]) != padded):
             raise ContainerError(f"zipf: stream shape {fields['shape']}, expected {padded} values")
         try:
-            x = zipformat.decode(zipformat.Encoded(**fields))
+            x = zip_format.decode(zip_format.Encoded(**fields))
         except ContainerError:
             raise
         except Exception as e:

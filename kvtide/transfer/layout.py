@@ -10,14 +10,19 @@ A transform that writes side streams must be listed in ``SIDE_STREAMS``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .container import Entry, StreamRecord
 from .errors import ContainerError
-from .quantizers import Grouped
+from .quantizers import Grouped, Quantizer
+from .transforms import Transform
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+
+class Stages(Protocol):
+    """What ``check_entry`` reads of a pipeline (``pipeline.Pipeline`` is one): its transform and quantizer."""
+
+    transform: Transform
+    quantizer: Quantizer
 
 SIDE_STREAMS = {"affine": ("mu", "sd")}  # transform -> its float32 [layers, 2, 1, kv_heads, head_dim] streams
 MAX_HADAMARD_DIM = 1024
@@ -25,7 +30,7 @@ MAX_STREAM_VALUES = 5  # x the entry's values: codes + BF16 rest + scales and mi
 BITS = frozenset(range(0, 9)) | {16}
 
 
-def check_entry(p: "Pipeline", e: Entry) -> None:
+def check_entry(p: Stages, e: Entry) -> None:
     where = f"entry {e.key!r}" if e.key is not None else "entry"
     if e.dtype != "bfloat16":
         raise ContainerError(f"{where}: dtype {e.dtype[:40]!r}, expected 'bfloat16'")

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..extras import require
 from .controller import Profile, pareto_front
 from .table import save_profiles
 
@@ -114,7 +115,7 @@ class ProfilerConfig:
     prune_eps: float = 0.05
     infeasible_margin: float = 0.02
     patience: int = 30
-    refit_every: int = 8  # GP hyperparameter fits are the cost on CPU (~30 ms per L-BFGS step)
+    refit_every: int = 8  # evaluations between GP hyperparameter fits, the profiler's own main cost
     fit_iters: int = 30
     seed: int = 0
 
@@ -232,6 +233,7 @@ class Profiler:
         return ProfilerResult(list(self.points.values()), self._best(), self.calls, stopped, pareto_front(feas))
 
     def _bo(self, rng: random.Random) -> str:
+        require("botorch", "transfer", "the Bayesian profiler")
         from botorch.fit import fit_gpytorch_mll
         from botorch.models import SingleTaskGP
         from botorch.models.transforms import Standardize

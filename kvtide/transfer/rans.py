@@ -16,6 +16,7 @@ import struct
 
 import numpy as np
 
+from ..extras import require
 from .errors import ContainerError
 
 _HEAD = struct.Struct("<II")
@@ -24,7 +25,7 @@ _SLACK_BITS = 64
 
 
 def encode(sym: np.ndarray, alphabet: int) -> bytes:
-    import constriction
+    constriction = require("constriction", "transfer", "the ans codec")
     counts = np.bincount(sym, minlength=alphabet).astype(np.uint32)
     head = _HEAD.pack(alphabet, sym.size) + counts.tobytes()
     if sym.size == 0:
@@ -68,8 +69,8 @@ def decode(buf: memoryview, alphabet: int, n_expected: int) -> np.ndarray:
         raise ContainerError(f"ans: {nwords} words ({32 * nwords} bits) cannot hold {n} symbols of these counts "
                              f"(at least {math.ceil(need)} bits)")
     words = np.frombuffer(buf, np.uint32, nwords, body).copy()
+    constriction = require("constriction", "transfer", "the ans codec")  # outside the try: not a stream error
     try:
-        import constriction
         model = constriction.stream.model.Categorical(counts / float(total), perfect=False)
         out = constriction.stream.stack.AnsCoder(words).decode(model, n)
     except Exception as e:

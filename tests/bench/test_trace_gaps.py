@@ -1,8 +1,8 @@
-"""bench/trace_gaps.py on a hand-made trace: busy/idle sums, the gap's host context and late launch, waits."""
+"""bench/tools/trace_gaps.py on a hand-made trace: busy/idle sums, the gap's host context and late launch, waits."""
 import gzip
 import json
 
-from bench.trace_gaps import analyze, device_steps, load
+from bench.tools.trace_gaps import analyze, device_steps, load
 
 
 def _x(name, cat, ts, dur, tid=1, **args):

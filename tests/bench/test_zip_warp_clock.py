@@ -1,4 +1,4 @@
-"""bench/zip_warp_clock.py's host side: pieces of each warp's run, a launch's summary and the SM rank correlation."""
+"""bench/tools/zip_warp_clock.py's host side: pieces of each warp's run, a launch's summary and the SM rank correlation."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():  # the bench imports the Triton kernels: interpreter mode before they are decorated
     os.environ["TRITON_INTERPRET"] = "1"
 
-from bench.zip_warp_clock import pieces_per_warp, rank_correlation, summarise  # noqa: E402
+from bench.tools.zip_warp_clock import pieces_per_warp, rank_correlation, summarise  # noqa: E402
 from kvtide.kernels import zip_attention_cuda as zc  # noqa: E402
 
 

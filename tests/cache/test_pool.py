@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtide.cache import zipblocks as zb
+from kvtide.cache import zip_blocks as zb
 from kvtide.cache.pool import ChunkPool, PoolGeometry
 from kvtide.cache.zip_pages import ABSENT, RAW, ZipGeometry, ZipPagedKV
 

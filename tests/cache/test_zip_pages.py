@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtide.cache import zipblocks as zb
+from kvtide.cache import zip_blocks as zb
 from kvtide.cache.pool import ChunkPool, PoolGeometry
 from kvtide.cache.zip_pages import COMPRESSED, ZipGeometry, ZipPagedKV
 from kvtide.cache.zip_pages import RAW as PAGE_RAW
@@ -77,7 +77,7 @@ def test_write_compress_read_is_bit_exact_and_frees_raw_bytes(version):
 
 
 def test_group_tables_follow_the_contract():
-    """A kernel that only knows pool, group_start and group_desc finds every block (zipformat's decoder)."""
+    """A kernel that only knows pool, group_start and group_desc finds every block (zip_format's decoder)."""
     store = ZipPagedKV(GEO, budget_bytes=20 * GEO.raw_page_bytes)
     pids = [2, 3]
     written = fill(store, pids, seed=4)
@@ -394,7 +394,9 @@ def test_compression_finished_a_few_pages_at_a_time_equals_all_at_once():
 def test_page_allocation_and_compression_make_no_host_sync_on_cuda():
     """On a GPU, compress_begin and compress_finish run right after the step's forward is enqueued: a host sync
     there (a pageable copy, a boolean mask, a value read back) would wait for that whole forward. Not one."""
-    store = ZipPagedKV(GEO, budget_bytes=40 * GEO.raw_page_bytes, device="cuda")
+    from kvtide.engine.pool_kernels import triton_pool_kernels
+
+    store = ZipPagedKV(GEO, budget_bytes=40 * GEO.raw_page_bytes, device="cuda", kernels=triton_pool_kernels())
     gen = torch.Generator().manual_seed(7)
     store.alloc_pages([0, 1, 2])
     slots = torch.arange(3 * GEO.page_size, device="cuda")

@@ -62,8 +62,8 @@ def test_allocate_fails_cleanly_when_full():
     assert a.pages == [] and bm.num_free_pages == 2
 
 
-class CountingStore:
-    """A PageStore that records its calls: allocate_all must reach it once per step, not once per sequence."""
+class CountingPool:
+    """A CompressedPagePool that records its calls: allocate_all must reach it once per step, not once per sequence."""
 
     def __init__(self, pages: int):
         self.left, self.alloc_calls, self.num_page_ids = pages, [], 8
@@ -81,8 +81,8 @@ class CountingStore:
 
 
 def test_allocate_all_grows_every_sequence_in_one_store_call_or_changes_nothing():
-    store = CountingStore(pages=5)
-    bm = BlockManager(num_pages=8, page_size=2, store=store)
+    store = CountingPool(pages=5)
+    bm = BlockManager(num_pages=8, page_size=2, pool=store)
     seqs = [seq(str(i), [1, 2, 3]) for i in range(3)]
     assert not bm.allocate_all([(s, 3) for s in seqs])  # 2 pages each: 6 > 5
     assert store.alloc_calls == [] and all(s.pages == [] for s in seqs) and store.left == 5

@@ -12,7 +12,7 @@ from kvtide.store.zip_entry import from_tensor
 PAGE = 4
 
 
-class _PagesAsStore:
+class _PagesAsPool:
     """Stands in for the compressed pool: ``read_pages`` returns the dense pages (the reader's other gather path)."""
 
     def __init__(self, caches: list[torch.Tensor]):
@@ -32,7 +32,7 @@ def _runner(layers: int = 3, pages: int = 12, heads: int = 2, dim: int = 64, poo
     return SimpleNamespace(
         model=SimpleNamespace(args=SimpleNamespace(num_layers=layers, num_kv_heads=heads, head_dim=dim)),
         page_size=PAGE, device=torch.device("cpu"), kv_caches=[] if pool else caches,
-        store=_PagesAsStore(caches) if pool else None, dense=caches,
+        pool=_PagesAsPool(caches) if pool else None, dense=caches,
     )
 
 

@@ -38,7 +38,7 @@ def test_cuda_graph_decode_gives_the_eager_tokens(compress: bool) -> None:
         if whole:
             assert graphs.full_captures >= 2 and graphs.captures == 0
         if compress:
-            assert attention.name == "zip" and llm.engine.store.geo.value_order == "mma"
+            assert attention.name == "zip" and llm.engine.pool.geo.value_order == "mma"
             assert attention.kernel.__name__.endswith("zip_attention_cuda")
     assert out["piecewise"] == out["eager"]
     assert out["full"] == out["eager"]
@@ -105,7 +105,7 @@ def test_whole_step_zip_graph_replays_as_contexts_grow() -> None:
     full, llm = _zip_decode(max_tokens=80, graphs=True)
     assert llm.engine.runner.full_graphs and 1 <= llm.engine.runner.graphs.full_captures <= 3
     assert llm.engine.runner.graphs.captures == 0
-    assert llm.engine.store.counters["pages_compressed"] > 0
+    assert llm.engine.pool.counters["pages_compressed"] > 0
     assert full == eager
 
 
@@ -120,7 +120,7 @@ def test_whole_step_zip_graph_with_balanced_runs_gives_the_eager_tokens(monkeypa
     plan, seen = zc.plan, []
 
     def balanced_plan(*args, **kwargs):
-        p = plan(*args, **{**kwargs, "balanced": True, "balanced_warps": 7})
+        p = plan(*args, **{**kwargs, "options": zc.LaunchOptions(balanced=True, balanced_warps=7)})
         seen.append(p.balanced)
         return p
 

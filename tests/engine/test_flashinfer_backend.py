@@ -24,7 +24,7 @@ def test_kernels_are_built_when_the_backend_is_made_not_in_the_first_step(monkey
     fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_Wrapper,
                                  BatchPrefillWithPagedKVCacheWrapper=_Wrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    from kvtide.engine.flashinfer_backend import FlashInferAttention
+    from kvtide.engine.attention.flashinfer_attn import FlashInferAttention
 
     caches = [torch.zeros(4, 2, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3)]
     fi = FlashInferAttention(caches, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
@@ -37,7 +37,7 @@ def test_kernels_are_built_when_the_backend_is_made_not_in_the_first_step(monkey
 def test_models_whose_head_dim_flashinfer_lacks_get_torch_attention(monkeypatch):
     """FlashInfer 0.6.12 has no working prefill at head_dim 32 on the H200 (FA3 fails to build, FA2 refuses the
     tile configuration): such models get torch attention under 'auto', and a clear error when 'flashinfer' is asked."""
-    from kvtide.engine.flashinfer_backend import flashinfer_unsupported
+    from kvtide.engine.attention.flashinfer_attn import flashinfer_unsupported
 
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace())
     assert flashinfer_unsupported(64) is None and flashinfer_unsupported(128) is None

@@ -21,7 +21,7 @@ def lockstep(n_seqs: int, lookahead: int, num_pages: int, steps: int = 40, cache
     `num_pages` raw pages (no model: each step's tokens are booked as the engine books them); `cached`: that many
     of the pool's pages first held by a finished request's cached prefix."""
     store = ZipPagedKV(GEO, budget_bytes=num_pages * GEO.raw_page_bytes)
-    bm = BlockManager(0, PAGE, enable_prefix_caching=True, store=store)
+    bm = BlockManager(0, PAGE, enable_prefix_caching=True, pool=store)
     sch = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096, page_lookahead=lookahead), bm)
     seqs = [Sequence(f"r{i}", None, [i + 1] * 20, SamplingParams(temperature=0, max_tokens=1000)) for i in range(n_seqs)]
     if cached:

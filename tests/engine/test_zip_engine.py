@@ -43,7 +43,7 @@ def runs():
 def test_greedy_tokens_equal_with_and_without_compression(runs, kind):
     _, batch_d, first_d, second_d = runs["dense"]
     llm, batch_z, first_z, second_z = runs[kind]
-    assert llm.engine.store.geo.value_order == ("mma" if kind == "zip_mma" else "token")
+    assert llm.engine.pool.geo.value_order == ("mma" if kind == "zip_mma" else "token")
     assert batch_z == batch_d
     assert first_z.token_ids == first_d.token_ids
     assert second_z.num_cached_tokens >= 16, "the preamble should come from cached (compressed) pages"
@@ -56,7 +56,7 @@ def test_greedy_tokens_equal_with_and_without_compression(runs, kind):
 @pytest.mark.parametrize("kind", ["zip", "zip_mma"])
 def test_pool_bytes_decode_to_exactly_the_kv_written(runs, kind):
     dense, zipped = runs["dense"][0].engine, runs[kind][0].engine
-    store = zipped.store
+    store = zipped.pool
     pairs = [(pz, dense.block_manager.hash_to_page[h]) for h, pz in zipped.block_manager.hash_to_page.items()
              if h in dense.block_manager.hash_to_page]
     assert len(pairs) >= 8
@@ -153,7 +153,7 @@ def test_decode_compresses_a_filled_page_one_step_later_and_prefill_at_once():
     from kvtide.cache.zip_pages import RAW
 
     eng = zip_llm(num_pages=24).engine
-    store = eng.store
+    store = eng.pool
     ids = eng.tokenizer.encode("A ledger of the harbour's ships, their cargo and their ports of call:")
     prompt = (ids * 4)[:37]  # two full pages filled by prefill, 5 tokens into the third
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 from kvtide import LLM, CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.config import EngineConfig  # noqa: E402
-from kvtide.engine.zip_fused_backend import fused_unsupported  # noqa: E402
+from kvtide.engine.attention.zip_fused import fused_unsupported  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MODEL = "random:tiny"  # 2 layers, 4 heads / 2 KV heads, head_dim 32: one 512-value block per group
@@ -141,7 +141,7 @@ def test_shape_limits_name_the_fix():
 def test_cuda_kernel_is_built_when_the_backend_is_made(monkeypatch):
     """Over a CUDA store in the 'mma' order the backend compiles the kernel plan() launches by default at
     construction (NVRTC), not in the first decode step; over a CPU store it builds nothing."""
-    from kvtide.engine.zip_fused_backend import ZipFusedAttention
+    from kvtide.engine.attention.zip_fused import ZipFusedAttention
     from kvtide.kernels import zip_attention_cuda as zc
 
     built = []
@@ -152,12 +152,8 @@ def test_cuda_kernel_is_built_when_the_backend_is_made(monkeypatch):
         store = SimpleNamespace(geo=geo, device=torch.device(device), format_version=2)
         ZipFusedAttention(store, 32, 8, 128, fallback=None)
     stage = zc.default_stage(128)
-    want = [(0, 128, 2, w, mb, 0, cm, stage, bal, False) for w, mb, cm, bal in zc.default_launches(128)]
+    want = [(0, 128, 2, w, mb, cm, stage, bal) for w, mb, cm, bal in zc.default_launches(128)]
     assert sorted(built) == sorted(want)
-    monkeypatch.setattr(zc, "AUTO_TAIL_MERGE", True)  # split launches then also in their tail-merged form
-    built.clear()
-    ZipFusedAttention(store, 32, 8, 128, fallback=None)
-    assert sorted(built) == sorted(want + [(*k[:9], True) for k in want if not k[6]])
 
 
 def test_whole_step_graph_defaults_and_the_cpu_fallback():

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 from kvtide.cache import zip_order  # noqa: E402
 from kvtide.cache.zip_pages import ZipGeometry, ZipPagedKV  # noqa: E402
+from kvtide.engine.pool_kernels import triton_pool_kernels  # noqa: E402
 from kvtide.kernels import kv_write  # noqa: E402
 from kvtide.kernels.paged_attention_ref import write_kv  # noqa: E402
 
@@ -97,7 +98,7 @@ def test_write_paged_other_input_dtypes_odd_shape_and_strided_inputs(cache_dtype
 def _store(d: int, h: int, order: str) -> ZipPagedKV:
     """A two-layer CPU-sized store whose pool holds random bytes: a write must change exactly its values."""
     geo = ZipGeometry(num_layers=2, num_kv_heads=h, head_dim=d, page_size=16, value_order=order)
-    store = ZipPagedKV(geo, budget_bytes=12 * geo.raw_page_bytes, device=DEV)
+    store = ZipPagedKV(geo, budget_bytes=12 * geo.raw_page_bytes, device=DEV, kernels=triton_pool_kernels())
     assert store.fused_write == (DEV == "cuda")
     store.alloc_pages([5, 0, 3, 7, 2])  # out of order: the groups' starts do not follow the page ids
     gen = torch.Generator().manual_seed(11)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # must precede the first kernel launch (kerne
 
 import pytest  # noqa: E402
 
-from kvtide.cache import zipblocks as zb  # noqa: E402
+from kvtide.cache import zip_blocks as zb  # noqa: E402
 from kvtide.kernels import zip_attention as za  # noqa: E402
 from kvtide.kernels import zip_attention_ref as zr  # noqa: E402
 

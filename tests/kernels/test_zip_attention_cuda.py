@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvtide.cache import zip_order
-from kvtide.cache import zipblocks as zb
-from kvtide.cache import zipformat as zf
+from kvtide.cache import zip_blocks as zb
+from kvtide.cache import zip_format as zf
 from kvtide.kernels import zip_attention_cuda as zc
 from kvtide.kernels import zip_attention_ref as zr
 
@@ -90,11 +90,35 @@ def test_plan_refuses_what_the_kernel_cannot_do() -> None:
         zc.plan(one, one[:1], last, 8, 2, 96, device="cpu")
     with pytest.raises(ValueError, match="page_size 16"):
         zc.plan(one, one[:1], last, 8, 2, 128, 8, device="cpu")
-    with pytest.raises(ValueError, match="load_hint"):
-        zc.plan(one, one[:1], last, 8, 2, 128, load_hint=len(zc.LOAD_HINTS), device="cpu")
+    with pytest.raises(ValueError, match="stage"):
+        zc.plan(one, one[:1], last, 8, 2, 128, options=zc.LaunchOptions(stage=2), device="cpu")
+    with pytest.raises(ValueError, match="bad launch shape"):
+        zc.plan(one, one[:1], last, 8, 2, 128, options=zc.LaunchOptions(warps=33), device="cpu")
     p = zc.plan(torch.tensor([0, 40], dtype=torch.int32), torch.arange(40, dtype=torch.int32), last, 8, 2, 128,
-                num_splits=3, cta_merge=False, device="cpu")
+                options=zc.LaunchOptions(num_splits=3, cta_merge=False), device="cpu")
     assert p.num_splits == 3 and p.pages_per_split == 14 and p.opart.shape == (1, 8, 3, 128) and not p.cta_merge
+
+
+def test_launch_options_are_one_frozen_value_whose_defaults_are_the_plain_plan() -> None:
+    """plan()'s launch layout is one frozen LaunchOptions: no options and the default options give the same plan,
+    options are hashable (a cache key) and cannot be changed in place, and the options measured no faster (tail
+    merge, programmatic dependent launch, load hints, K staged) are gone from plan() and the kernel source."""
+    import dataclasses
+
+    indptr = torch.arange(68, dtype=torch.int32) * 520  # balanced runs by the rule: the default's richest path
+    t = (indptr, torch.arange(67 * 520, dtype=torch.int32), torch.full((67,), 16, dtype=torch.int32), 32, 8, 128)
+    a, b = zc.plan(*t, device="cpu"), zc.plan(*t, device="cpu", options=zc.LaunchOptions())
+    fields = ("num_splits", "pages_per_split", "warps", "min_blocks", "stage", "cta_merge", "balanced", "grid_warps")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields] and a.balanced
+    opts = zc.LaunchOptions(num_splits=3, cta_merge=False)
+    assert hash(opts) == hash(zc.LaunchOptions(num_splits=3, cta_merge=False))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.num_splits = 4  # type: ignore[misc]
+    for gone in ("tail_merge", "pdl", "load_hint", "num_splits"):
+        with pytest.raises(TypeError):
+            zc.plan(*t, device="cpu", **{gone: 1})
+    for macro in ("TAIL_MERGE", "LOAD_HINT", "K_SMEM", "griddepcontrol"):
+        assert macro not in SRC, macro
 
 
 def test_plan_merges_splits_in_a_cta_when_it_costs_no_wave() -> None:
@@ -103,7 +127,8 @@ def test_plan_merges_splits_in_a_cta_when_it_costs_no_wave() -> None:
     def mk(batch: int, pages: int, **kw) -> zc.CudaDecodePlan:
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
         return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
-                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
+                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu",
+                       options=zc.LaunchOptions(**kw))
 
     p = mk(32, 128, stage=0)  # the 2048 x 32 bench shape: 6 splits under the wave model
     assert p.num_splits == 6 and p.cta_merge and (p.warps, p.min_blocks) == (6, 2) and p.opart is None
@@ -125,7 +150,8 @@ def test_plan_takes_16_warps_per_sm_where_the_wave_model_rates_them_faster() -> 
     def mk(batch: int, pages: int, **kw) -> zc.CudaDecodePlan:
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
         return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
-                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
+                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu",
+                       options=zc.LaunchOptions(**kw))
 
     assert zc.default_stage(128) == 1 and zc.default_stage(64) == 0
     for (batch, pages), want in {(64, 512): (4, 4, 4), (32, 512): (8, 8, 2), (96, 512): (8, 8, 2),
@@ -178,7 +204,8 @@ def test_plan_takes_balanced_runs_just_past_a_wave_boundary(monkeypatch) -> None
     def mk(batch: int, pages: int, **kw) -> zc.CudaDecodePlan:
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
         return zc.plan(indptr, torch.arange(batch * pages, dtype=torch.int32),
-                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", **kw)
+                       torch.full((batch,), 16, dtype=torch.int32), 32, 8, 128, device="cpu",
+                       options=zc.LaunchOptions(**kw))
 
     assert zc.AUTO_BALANCED
     monkeypatch.setattr(zc, "AUTO_BALANCED", False)
@@ -198,13 +225,14 @@ def test_plan_takes_balanced_runs_just_past_a_wave_boundary(monkeypatch) -> None
     assert zc.graph_key(q) is None and q.opart.shape[2] == q.num_splits
     with pytest.raises(ValueError, match="indptr starts at 0"):
         zc.plan(torch.tensor([5, 45], dtype=torch.int32), torch.arange(50, dtype=torch.int32),
-                torch.tensor([16], dtype=torch.int32), 32, 8, 128, device="cpu", balanced=True)
+                torch.tensor([16], dtype=torch.int32), 32, 8, 128, device="cpu",
+                options=zc.LaunchOptions(balanced=True))
     with pytest.raises(ValueError, match="merged in a CTA"):
         zc.defines(128, 2, 4, 4, cta_merge=True, balanced=True)
     bufs = zc.PlanBuffers(67, "cpu")
     keys = {zc.graph_key(zc.plan(torch.arange(68, dtype=torch.int32) * n, torch.arange(67 * n, dtype=torch.int32),
                                  torch.full((67,), 16, dtype=torch.int32), 32, 8, 128, device="cpu", buffers=bufs,
-                                 balanced=True)) for n in range(513, 521)}
+                                 options=zc.LaunchOptions(balanced=True))) for n in range(513, 521)}
     assert len(keys) == 1, "runs grow on the device: one graph for the whole stretch"
 
 
@@ -384,8 +412,8 @@ def test_kernel_matches_float64_reference(head_dim: int, group: int, version: in
     kv, pool, starts, desc, groups, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
     assert (desc == zb.RAW).any() and (desc != zb.RAW).any()
     ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
-    p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, num_splits=splits,
-                cta_merge=cta_merge, stage=stage, device="cuda")
+    p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, device="cuda",
+                options=zc.LaunchOptions(num_splits=splits, cta_merge=cta_merge, stage=stage))
     assert p.cta_merge == (cta_merge and p.num_splits > 1)
     out = torch.full_like(q, float("nan"))
     zc.run(p, q, pool, starts, desc, out=out, check=True)
@@ -411,104 +439,14 @@ def test_balanced_runs_match_float64_reference(head_dim: int, group: int, versio
     hkv = 2
     kv, pool, starts, desc, _, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
     ref = zr.decode_attention_f64(q, kv, indptr, perm, last)
-    p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, stage=stage, device="cuda",
-                balanced=True, balanced_warps=warps)
+    p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, device="cuda",
+                options=zc.LaunchOptions(stage=stage, balanced=True, balanced_warps=warps))
     assert p.balanced and p.grid_warps == warps
     out = torch.full_like(q, float("nan"))
     zc.run(p, q, pool, starts, desc, out=out, check=True)
     assert not out.isnan().any()
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < 1e-2, err
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("form", ["splits", "balanced_1", "balanced_7", "balanced_1000"])
-@pytest.mark.parametrize("stage", sorted(zc.STAGES))
-def test_tail_merge_gives_zip_merges_bits_and_rearms_its_counters(head_dim: int, group: int, version: int, form: str,
-                                                                  stage: int) -> None:
-    """The last warp of each (sequence, KV head) merging its partials (TAIL_MERGE) writes the very bits zip_merge
-    writes, for even splits and balanced runs (one warp, runs across units, more warps than pages); every counter
-    is back at zero after a launch, so a second launch (the next layer, a graph replay) gives the same bits."""
-    gen = torch.Generator().manual_seed(head_dim + group + version + stage)
-    hkv = 2
-    kv, pool, starts, desc, _, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
-    kw = (dict(num_splits=3, cta_merge=False) if form == "splits" else
-          dict(balanced=True, balanced_warps=int(form.split("_")[1])))
-    outs = {}
-    for tail in (False, True):
-        p = zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, stage=stage, device="cuda",
-                    tail_merge=tail, **kw)
-        assert p.tail_merge == tail
-        outs[tail] = [zc.run(p, q, pool, starts, desc, out=torch.full_like(q, float("nan")), check=True)
-                      for _ in range(2)]
-        if tail:
-            assert not p.arrive.any(), "a counter was left armed"
-    assert not outs[True][0].isnan().any()
-    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[True][0])
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("form", ["one", "cta", "splits", "balanced", "tail"])
-def test_programmatic_dependent_launch_gives_the_same_bits_eager_and_in_a_graph(head_dim: int, version: int,
-                                                                                 form: str) -> None:
-    """``plan(pdl=True)`` (kernels scheduled while the previous kernel drains, each waiting for its memory first):
-    the same bits as plain launches, eagerly and in a CUDA graph whose previous kernel writes q just before (a
-    missing wait would read the old q)."""
-    gen = torch.Generator().manual_seed(head_dim + version)
-    hkv, group = 2, 4
-    kv, pool, starts, desc, _, perm, indptr, last, q = _gpu_case(head_dim, group, version, hkv, gen)
-    kw = {"one": dict(num_splits=1), "cta": dict(num_splits=3, cta_merge=True),
-          "splits": dict(num_splits=3, cta_merge=False), "balanced": dict(balanced=True, balanced_warps=7),
-          "tail": dict(num_splits=3, cta_merge=False, tail_merge=True)}[form]
-    plans = {pdl: zc.plan(indptr, perm, last, hkv * group, hkv, head_dim, version=version, device="cuda", pdl=pdl,
-                          **kw) for pdl in (False, True)}
-    assert plans[True].pdl and not plans[False].pdl
-    qs = [q, torch.randn(q.shape, generator=gen).bfloat16().cuda(), -q]
-    want = [zc.run(plans[False], x, pool, starts, desc) for x in qs]
-    assert torch.equal(zc.run(plans[True], q, pool, starts, desc), want[0])
-    src, qbuf, out = q.clone(), torch.empty_like(q), torch.full_like(q, float("nan"))
-    zc.run(plans[True], torch.mul(src, 1, out=qbuf), pool, starts, desc, out=out)  # warm-up outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        g.capture_begin()
-        torch.mul(src, 1, out=qbuf)  # a kernel (a copy_ would be a memcpy) that zip_decode must wait for
-        zc.run(plans[True], qbuf, pool, starts, desc, out=out)
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(s)
-    for x, w in zip(qs, want):
-        src.copy_(x)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, w)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("load_hint", sorted(set(zc.LOAD_HINTS) - {0}))
-def test_load_hints_change_no_output_bit(load_hint: int) -> None:
-    """Cache hints on the KV loads are a launch option (bench/zip_attention.py --load-hints): same bits out."""
-    gen = torch.Generator().manual_seed(load_hint)
-    hkv, group, lens = 2, 4, [5, 300, 777]
-    npg = [(x + 15) // 16 for x in lens]
-    kv = _pages(sum(npg), hkv, 128, gen).cuda()
-    pool, starts, desc, _ = _mma_pool(kv, 1)
-    indptr = torch.tensor([0, *np.cumsum(npg)], dtype=torch.int32)
-    last = torch.tensor([x - (n - 1) * 16 for x, n in zip(lens, npg)], dtype=torch.int32)
-    idx = torch.arange(sum(npg), dtype=torch.int32).cuda()
-    q = torch.randn(len(lens), hkv * group, 128, generator=gen).bfloat16().cuda()
-    outs = [zc.run(zc.plan(indptr, idx, last, hkv * group, hkv, 128, num_splits=3, load_hint=h, device="cuda"), q,
-                   pool, starts, desc) for h in (0, load_hint)]
-    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu
@@ -528,8 +466,9 @@ def test_staged_groups_change_no_output_bit(head_dim: int, stage: int) -> None:
     idx = torch.randperm(sum(npg), generator=gen).to(torch.int32).cuda()
     q = torch.randn(len(lens), hkv * group, head_dim, generator=gen).bfloat16().cuda()
     for splits, cta in [(1, True), (6, True), (6, False), (None, True)]:
-        outs = [zc.run(zc.plan(indptr, idx, last, hkv * group, hkv, head_dim, num_splits=splits, cta_merge=cta,
-                               stage=st, device="cuda"), q, pool, starts, desc) for st in (0, stage)]
+        outs = [zc.run(zc.plan(indptr, idx, last, hkv * group, hkv, head_dim, device="cuda",
+                               options=zc.LaunchOptions(num_splits=splits, cta_merge=cta, stage=st)), q, pool, starts,
+                       desc) for st in (0, stage)]
         assert torch.equal(outs[0], outs[1]), (splits, cta)
 
 
@@ -537,61 +476,28 @@ def test_stage_shared_memory_and_cta_limits() -> None:
     """What a staged launch asks of shared memory (the .cu's WARP_SMEM), and the CTA merge's limit under it."""
     assert zc.smem_bytes(128, 4, 0) == 0
     assert zc.smem_bytes(128, 4, 1) == 4 * (4096 + 2048)  # V slot + Q fragments per warp
-    assert zc.smem_bytes(128, 4, 2) == 4 * (2 * 4096 + 2048)
-    assert zc.smem_bytes(64, 3, 2) == 3 * (2 * 2048 + 1024)
+    assert zc.smem_bytes(64, 3, 1) == 3 * (2048 + 1024)
+    assert sorted(zc.STAGES) == [0, 1]
     for d in (64, 128):
-        for st in (1, 2):
-            assert zc.smem_bytes(d, zc.max_cta_splits(d, st), st) <= 227 << 10
+        assert zc.smem_bytes(d, zc.max_cta_splits(d, 1), 1) <= 227 << 10
+    m = re.search(r"#define WARP_SMEM \((.*?)\)\s", SRC)
+    assert m and m.group(1).replace(" ", "") == "SLOT_BYTES+16*D", "smem_bytes must mirror the .cu's WARP_SMEM"
     one = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="stage"):
-        zc.plan(one, one[:1], torch.tensor([16], dtype=torch.int32), 8, 2, 128, stage=3, device="cpu")
+        zc.plan(one, one[:1], torch.tensor([16], dtype=torch.int32), 8, 2, 128, device="cpu",
+                options=zc.LaunchOptions(stage=3))
 
 
 def test_run_refuses_a_pool_beyond_the_kernels_reach(monkeypatch) -> None:
     """Starts travel as 32-bit counts of 16-byte units: a larger pool must be refused, never wrapped."""
     monkeypatch.setattr(zc, "MAX_POOL_BYTES", 1 << 10)
     one = torch.tensor([0, 1], dtype=torch.int32)
-    p = zc.plan(one, one[:1], torch.tensor([16], dtype=torch.int32), 8, 2, 128, num_splits=1, device="cpu")
+    p = zc.plan(one, one[:1], torch.tensor([16], dtype=torch.int32), 8, 2, 128, device="cpu",
+                options=zc.LaunchOptions(num_splits=1))
     q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="addresses pools up to"):
         zc.run(p, q, torch.zeros(2048, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.int64),
                torch.zeros(1, 2, 2, 4, dtype=torch.uint8))
-
-
-def test_plan_takes_the_tail_merge_only_where_partials_go_through_global_memory() -> None:
-    """``tail_merge=True``: even splits a CTA does not merge and balanced runs get the per-unit counters (zeroed, one
-    per sequence and KV head; the fixed buffers' own in a graph plan) and a graph key of their own; one split, or
-    splits merged in a CTA, have nothing to merge in the tail; off by default; a CTA merge and a tail merge cannot be
-    compiled together."""
-    indptr = torch.tensor([0, 40, 80, 120], dtype=torch.int32)
-    t = (indptr, torch.arange(120, dtype=torch.int32), torch.full((3,), 16, dtype=torch.int32), 32, 8, 128)
-    assert not zc.AUTO_TAIL_MERGE and not zc.plan(*t, device="cpu", num_splits=3, cta_merge=False).tail_merge
-    for kw in (dict(num_splits=3, cta_merge=False), dict(balanced=True, balanced_warps=7)):
-        p = zc.plan(*t, device="cpu", tail_merge=True, **kw)
-        assert p.tail_merge and p.arrive.dtype == torch.int32 and p.arrive.shape == (3 * 8,) and not p.arrive.any()
-        bufs = zc.PlanBuffers(3, "cpu")
-        g = zc.plan(*t, device="cpu", tail_merge=True, buffers=bufs, **kw)
-        again = zc.plan(*t, device="cpu", tail_merge=True, buffers=bufs, **kw)
-        assert g.arrive is bufs.arrivals(8) and again.arrive is g.arrive
-        assert zc.graph_key(g) != zc.graph_key(zc.plan(*t, device="cpu", tail_merge=False, buffers=bufs, **kw))
-    for kw in (dict(num_splits=1), dict(num_splits=3, cta_merge=True)):
-        p = zc.plan(*t, device="cpu", tail_merge=True, **kw)
-        assert not p.tail_merge and p.arrive is None
-    with pytest.raises(ValueError, match="CTA merge"):
-        zc.defines(128, 2, 3, 4, cta_merge=True, tail_merge=True)
-    assert zc.defines(128, 2, 4, 4, tail_merge=True)["TAIL_MERGE"] == 1
-
-
-def test_programmatic_dependent_launch_is_a_plan_option_with_a_graph_key_of_its_own() -> None:
-    """``pdl``: off by default (AUTO_PDL: no faster in the engine on the H200), a plan field, part of the graph key
-    (a graph captured with plain launches does not replay a PDL plan)."""
-    indptr = torch.tensor([0, 40, 80, 120], dtype=torch.int32)
-    t = (indptr, torch.arange(120, dtype=torch.int32), torch.full((3,), 16, dtype=torch.int32), 32, 8, 128)
-    assert not zc.AUTO_PDL and not zc.plan(*t, device="cpu").pdl
-    bufs = zc.PlanBuffers(3, "cpu")
-    on, off = (zc.plan(*t, device="cpu", buffers=bufs, pdl=x) for x in (True, False))
-    assert on.pdl and not off.pdl and zc.graph_key(on) != zc.graph_key(off)
-    assert "griddepcontrol.wait" in zc.SOURCE.read_text()
 
 
 def test_launch_config_structs_match_the_driver_abi() -> None:
@@ -644,7 +550,8 @@ def test_plan_into_fixed_buffers_matches_a_fresh_plan_and_keeps_its_graph_key() 
     big = tables(3, [4000, 4000, 4000])
     grown = zc.plan(*big, 32, 8, 128, device="cpu", buffers=bufs)
     assert bufs.indices.numel() >= 12000 and zc.graph_key(grown) != before
-    split = zc.plan(*tables(3, [40, 40, 40]), 32, 8, 128, device="cpu", num_splits=3, cta_merge=False, buffers=bufs)
+    split = zc.plan(*tables(3, [40, 40, 40]), 32, 8, 128, device="cpu", buffers=bufs,
+                    options=zc.LaunchOptions(num_splits=3, cta_merge=False))
     assert split.opart.shape == (3, 32, 3, 128) and split.opart is bufs.parts(32, 3, 128)[0]
     with pytest.raises(ValueError, match="plan buffers for batch 3"):
         zc.plan(*tables(2, [5, 5]), 32, 8, 128, device="cpu", buffers=bufs)

@@ -11,8 +11,8 @@ if not torch.cuda.is_available():  # must precede the first kernel launch (kerne
 
 import pytest  # noqa: E402
 
-from kvtide.cache import zipblocks as zb  # noqa: E402
-from kvtide.cache import zipformat as zf  # noqa: E402
+from kvtide.cache import zip_blocks as zb  # noqa: E402
+from kvtide.cache import zip_format as zf  # noqa: E402
 from kvtide.kernels import zip_unpack as zu  # noqa: E402
 from tests.kernels.test_zip_encode import ALL, SPECIAL_BLOCKS, kv_groups  # noqa: E402
 

@@ -83,6 +83,8 @@ def test_counters_move_by_the_right_amounts(live):
     assert delta(before, after, "request_success_total", finished_reason="stop") == 0
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert delta(before, after, hist + "_count") == 1, hist
+    assert 0 <= delta(before, after, "request_queue_time_seconds_sum") \
+        <= delta(before, after, "time_to_first_token_seconds_sum")
     assert delta(before, after, "inter_token_latency_seconds_count") == 4  # between 5 tokens
     assert delta(before, after, "prefix_cache_queries_total") == p
     assert delta(before, after, "prefix_cache_hits_total") == r.usage.prompt_tokens_details.cached_tokens

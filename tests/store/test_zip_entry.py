@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-from kvtide.cache import zipformat as zf
+from kvtide.cache import zip_format as zf
 from kvtide.store import MemoryStore, PinnedMemoryStore
 from kvtide.store.base import HEADER_BYTES, ChunkCorrupt, decode_record, encode_record
 from kvtide.store.keys import KeySpace, chunk_keys

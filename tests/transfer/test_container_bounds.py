@@ -305,16 +305,16 @@ def test_packed_codes_exact_length():
 
 
 def test_zipf_stream_checked():
-    pytest.importorskip("kvtide.cache.zipformat")
-    from kvtide.cache import zipformat
+    pytest.importorskip("kvtide.cache.zip_format")
+    from kvtide.cache import zip_format
     from kvtide.transfer.codecs import _serialise
     x = kv()
     blob = Pipeline("none|none|zipf").encode(x)
     v = stream_payloads(*split(blob))["q.v"]
     flat = torch.cat([x.reshape(-1), torch.zeros(-x.numel() % 512, dtype=torch.bfloat16)])
-    e = zipformat.encode(flat, block_size=512)
-    other_bs = _serialise(zipformat.encode(flat, block_size=256))
-    wrong_shape = _serialise(zipformat.Encoded(e.data, e.starts, e.desc, (1 << 40,), 512))
+    e = zip_format.encode(flat, block_size=512)
+    other_bs = _serialise(zip_format.encode(flat, block_size=256))
+    wrong_shape = _serialise(zip_format.Encoded(e.data, e.starts, e.desc, (1 << 40,), 512))
     for bad, match in [(b"F" + v[1:], "stream encoding b'F'"), (v[:1] + b"garbage", "bad stream"),
                        (other_bs, "block_size 256, expected 512"), (wrong_shape, "shape"), (v[:-10], "bad stream"),
                        (b"", "stream encoding")]:

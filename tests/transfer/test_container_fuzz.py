@@ -62,7 +62,7 @@ def _edit_random_value(h: object, rng: np.random.Generator) -> None:
 @pytest.mark.parametrize("spec", SPECS)
 def test_fuzzed_containers_fail_cleanly(spec):
     if "zipf" in spec:
-        pytest.importorskip("kvtide.cache.zipformat")
+        pytest.importorskip("kvtide.cache.zip_format")
     rng = np.random.default_rng(zlib.crc32(spec.encode()))
     x = kv(3, t=20)
     p = Pipeline(spec, head_scores=SCORES)

@@ -185,20 +185,20 @@ def test_bit_packing(bits):
 
 
 def test_zipfusion_wrapper_with_stand_in(monkeypatch):
-    """The real kvtide.cache.zipformat may not exist yet: exercise the wrapper against a stand-in."""
+    """The real kvtide.cache.zip_format may not exist yet: exercise the wrapper against a stand-in."""
 
     @dataclasses.dataclass
     class Encoded:
         data: torch.Tensor
         block_size: int
 
-    mod = types.ModuleType("kvtide.cache.zipformat")
+    mod = types.ModuleType("kvtide.cache.zip_format")
     mod.Encoded = Encoded
     mod.encode = lambda x, block_size=512: Encoded(x.view(torch.int16).clone(), block_size)
     mod.decode = lambda e: e.data.view(torch.bfloat16)
     import kvtide.cache
-    monkeypatch.setitem(sys.modules, "kvtide.cache.zipformat", mod)
-    monkeypatch.setattr(kvtide.cache, "zipformat", mod, raising=False)
+    monkeypatch.setitem(sys.modules, "kvtide.cache.zip_format", mod)
+    monkeypatch.setattr(kvtide.cache, "zip_format", mod, raising=False)
     x = kv(10)
     for spec in ("none|none|zipf", "hadamard|kivi|zipf:bs=256", "none|kivi:r=5|zipf:bs=64"):
         p = Pipeline(spec)
@@ -208,7 +208,7 @@ def test_zipfusion_wrapper_with_stand_in(monkeypatch):
 
 
 def test_zipfusion_real_if_present():
-    pytest.importorskip("kvtide.cache.zipformat")
+    pytest.importorskip("kvtide.cache.zip_format")
     x = kv(11, t=37)  # not a whole number of blocks: the wrapper pads
     for spec in ("none|none|zipf", "none|none|zipf:v=2", "none|none|zipf:bs=128"):
         p = Pipeline(spec)

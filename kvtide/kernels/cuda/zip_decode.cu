@@ -1,7 +1,7 @@
 // ZipFusion paged decode attention over compressed pages, CUDA (sm_80+). Design notes, the Python side and the
 // launch: kvtide/kernels/zip_attention_cuda.py. Value order of a group: kvtide/cache/zip_order.py ("mma").
-// Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DLOAD_HINT, -DCTA_MERGE, -DSTAGE,
-// -DBALANCED, -DTAIL_MERGE, and for diagnostics -DWARP_CLOCK); no header.
+// Compiled by NVRTC with -DHEAD_DIM, -DVERSION, -DNWARPS, -DMIN_BLOCKS (and -DCTA_MERGE, -DSTAGE, -DBALANCED, and
+// for diagnostics -DWARP_CLOCK); no header.
 //
 // One warp walks one split of one (sequence, KV head), one page (16 tokens) per step (a CTA holds NWARPS
 // consecutive such units; with BALANCED, an equal run of all units' pages laid end to end, see zip_decode):
@@ -10,7 +10,7 @@
 //   O^T[D x 8 heads]     += V^T[D x 16] P^T      mma.m16n8k16, V rebuilt straight into A fragments
 // Each lane loads, per 512-value block, its own 16 values: one 16-byte low-plane load + one 8-byte code load
 // (compressed) or two 16-byte loads (raw); the next page's loads are issued as soon as a buffer is consumed, into
-// registers or (STAGE) by cp.async into the warp's slot of shared memory.
+// registers or (STAGE 1, V only) by cp.async into the warp's slot of shared memory.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -27,12 +27,6 @@ typedef unsigned long long u64;
 #error "HEAD_DIM must be 64 or 128"
 #endif
 
-// Cache hints on the KV loads (LOAD_HINT, a launch option measured by bench/zip_attention.py --load-hints):
-// 0 none; 1 no L1 allocation (every byte is read once); 2 that plus 256-byte L2 prefetch; 3 no L1 allocation and
-// an L2 evict-first policy (streamed KV should not push out what other kernels of the step reuse).
-#ifndef LOAD_HINT
-#define LOAD_HINT 0
-#endif
 // CTA_MERGE 1: a CTA's NWARPS warps are the NWARPS splits of one (sequence, KV head) and merge their partial outputs
 // in shared memory at the end (no partials in global memory, no zip_merge launch).
 #ifndef CTA_MERGE
@@ -46,67 +40,33 @@ typedef unsigned long long u64;
 #if BALANCED && CTA_MERGE
 #error "BALANCED runs merge through global memory: it cannot be combined with CTA_MERGE"
 #endif
-// TAIL_MERGE 1 (not with CTA_MERGE): split partials still go through global memory, but the last warp to finish a
-// (sequence, KV head) merges them (a counter per unit, re-armed by that warp), so no zip_merge launch follows.
-#ifndef TAIL_MERGE
-#define TAIL_MERGE 0
-#endif
-#if TAIL_MERGE && CTA_MERGE
-#error "TAIL_MERGE merges partials written to global memory: it cannot be combined with CTA_MERGE"
-#endif
-// WARP_CLOCK 1 (diagnostics only, bench/zip_warp_clock.py; not with TAIL_MERGE): each warp of zip_decode writes its
-// start and end (%globaltimer ns), SM id and clock64 cycles into the buffer passed as ``arrive``.
+// WARP_CLOCK 1 (diagnostics only, bench/tools/zip_warp_clock.py): each warp of zip_decode writes its start and end
+// (%globaltimer ns), SM id and clock64 cycles into the buffer passed as ``clock``.
 #ifndef WARP_CLOCK
 #define WARP_CLOCK 0
 #endif
-#if WARP_CLOCK && TAIL_MERGE
-#error "WARP_CLOCK writes its records where the tail merge keeps its counters"
-#endif
 // STAGE: where the next page's groups wait until they are used. 0: registers (8 x NB per lane for each of K and V);
-// 1: V in the warp's slot of shared memory, copied by cp.async; 2: K and V there. Staged groups free their
-// registers (Q then moves to shared memory too) and go through L2 only (cp.async.cg). Shared memory is dynamic:
-// WARP_SMEM bytes per warp, as zip_attention_cuda.smem_bytes computes them.
+// 1: V in the warp's slot of shared memory, copied by cp.async. A staged V frees its registers (Q then moves to
+// shared memory too) and goes through L2 only (cp.async.cg). Shared memory is dynamic: WARP_SMEM bytes per warp, as
+// zip_attention_cuda.smem_bytes computes them.
 #ifndef STAGE
 #define STAGE 0
 #endif
-#define V_SMEM (STAGE >= 1)
-#define K_SMEM (STAGE >= 2)
-#define SLOT_BYTES (32 * D)                                        // one group: 16 x D bf16
-#define WARP_SMEM ((K_SMEM ? 2 : 1) * SLOT_BYTES + 16 * D)         // K slot, V slot, Q fragments
-#if LOAD_HINT == 1
-#define LDG_Q ".L1::no_allocate"
-#elif LOAD_HINT == 2
-#define LDG_Q ".L1::no_allocate.L2::256B"
-#elif LOAD_HINT == 3
-#define LDG_Q ".L1::no_allocate.L2::cache_hint"
-#else
-#define LDG_Q ""
+#if STAGE != 0 && STAGE != 1
+#error "STAGE must be 0 (registers) or 1 (V staged in shared memory)"
 #endif
+#define V_SMEM (STAGE == 1)
+#define SLOT_BYTES (32 * D)                // one group: 16 x D bf16
+#define WARP_SMEM (SLOT_BYTES + 16 * D)    // V slot, Q fragments
 
-#if LOAD_HINT == 3
-__device__ __forceinline__ u64 evict_first_policy() {
-  u64 pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
 __device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
-  asm("ld.global.nc" LDG_Q ".v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-      : "=r"(w[o]), "=r"(w[o + 1]), "=r"(w[o + 2]), "=r"(w[o + 3]) : "l"(p), "l"(evict_first_policy()));
-}
-
-__device__ __forceinline__ void ldg64(const u8* p, u32 (&w)[8], int o) {
-  asm("ld.global.nc" LDG_Q ".v2.u32 {%0,%1}, [%2], %3;" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p), "l"(evict_first_policy()));
-}
-#else
-__device__ __forceinline__ void ldg128(const u8* p, u32 (&w)[8], int o) {
-  asm("ld.global.nc" LDG_Q ".v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(w[o]), "=r"(w[o + 1]), "=r"(w[o + 2]), "=r"(w[o + 3]) : "l"(p));
 }
 
 __device__ __forceinline__ void ldg64(const u8* p, u32 (&w)[8], int o) {
-  asm("ld.global.nc" LDG_Q ".v2.u32 {%0,%1}, [%2];" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p));
+  asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(w[o]), "=r"(w[o + 1]) : "l"(p));
 }
-#endif
 
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -150,13 +110,13 @@ __device__ __forceinline__ u32 prmt_sign(u32 x) {
 // stored l0 l2 l1 l3) and lb (4-7). A value's high byte is sign << 7 | (b/2 + d), four at a time:
 // he = [h0 h4 h1 h5] from the low nibbles of cw's bytes, ho = [h2 h6 h3 h7] from the high ones; one byte
 // permute per pair then puts low and high bytes in place. b4 = (b/2) * 0x01010101.
-// About 1.5 integer ops per value. zipblocks.rebuild_words / zipblocks.unpack are the torch references.
+// About 1.5 integer ops per value. zip_blocks.rebuild_words / zip_blocks.unpack are the torch references.
 __device__ __forceinline__ void rebuild8(u32 cw, u32 la, u32 lb, u32 b4, bool esc, u32 (&w)[4]) {
   const u32 de = cw & 0x07070707u, dod = (cw >> 4) & 0x07070707u;
   u32 he = de + b4, ho = dod + b4;  // b/2 + d <= 127 for every stored value: no carry into the sign bit
 #if VERSION == 2
   if (esc) {  // d = 7 codes an exact +-0 (b/2 + 7 may reach 133): clear the byte before the sign goes in (3 ops
-              // per 4 values; a multiply-subtract form, 5, was 0.4-4% slower on the H200: zip_attention_cuda_variants)
+              // per 4 values, fewer than a multiply-subtract form's 5)
     he &= ~prmt_sign(de + 0x79797979u);  // a byte of 0x80 (d = 7) -> 0xFF, d <= 6 -> 0x00
     ho &= ~prmt_sign(dod + 0x79797979u);
   }
@@ -282,47 +242,6 @@ __device__ __forceinline__ void load_meta(int pid, const long long* __restrict__
 #endif
 }
 
-#if TAIL_MERGE
-// The warp that finishes unit ``unit_id``'s last piece merges all ``npieces`` of them (log-sum-exp, as zip_merge
-// does) into out, then re-arms the unit's counter for the next launch. Every warp fences its partials before it
-// counts itself in; the merging warp fences again and reads the partials through L2 (ld.global.cg), not the
-// read-only path: they were written in this launch.
-__device__ __forceinline__ void tail_merge(const float* opart, const float* lse, u16* out, int* arrive, int unit_id,
-                                           long long row0, int group, int num_splits, int npieces, int lane) {
-  __threadfence();
-  __syncwarp();
-  int prev = 0;
-  if (lane == 0) prev = atomicAdd(arrive + unit_id, 1);
-  prev = __shfl_sync(FULL, prev, 0);
-  if (prev != npieces - 1) return;
-  __threadfence();
-  for (int hd = 0; hd < group; ++hd) {
-    const long long r = (row0 + hd) * num_splits;
-    float mx = NEG_INF;
-    for (int s = 0; s < npieces; ++s) mx = fmaxf(mx, __ldcg(lse + r + s));
-    float sum = 0.f, acc[D / 32];
-#pragma unroll
-    for (int j = 0; j < D / 32; ++j) acc[j] = 0.f;
-    for (int s = 0; s < npieces; ++s) {
-      const float w = ex2(__ldcg(lse + r + s) - mx);
-      sum += w;
-      const float2* src = reinterpret_cast<const float2*>(opart + (r + s) * D + lane * (D / 32));
-#pragma unroll
-      for (int j = 0; j < D / 64; ++j) {
-        const float2 v = __ldcg(src + j);
-        acc[2 * j] += w * v.x;
-        acc[2 * j + 1] += w * v.y;
-      }
-    }
-    u32* dst = reinterpret_cast<u32*>(out + (row0 + hd) * D + lane * (D / 32));  // acc / sum: zip_merge's bits
-#pragma unroll
-    for (int j = 0; j < D / 64; ++j)
-      dst[j] = (u32)to_bf16(acc[2 * j] / sum) | ((u32)to_bf16(acc[2 * j + 1] / sum) << 16);
-  }
-  if (lane == 0) arrive[unit_id] = 0;
-}
-#endif
-
 // Pages [p0, p0 + n) of sequence b's page list for KV head h: partial output and log-sum-exp into slot `split`
 // (or, with num_splits 1 and not BALANCED, the output itself; with CTA_MERGE, merged over the CTA's warps).
 __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart,
@@ -330,7 +249,7 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
                                        const int* __restrict__ indices, const u8* __restrict__ pool,
                                        const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
                                        float scale_log2, int num_splits, int hkv, int group, int lane, int b, int h,
-                                       int split, int p0, int n, int kv_len, int* __restrict__ arrive, int npieces) {
+                                       int split, int p0, int n, int kv_len) {
 #if !CTA_MERGE
   if (n <= 0) return;  // a split past this sequence's end: the merge reads only splits that hold tokens
 #endif
@@ -339,12 +258,9 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
   const long long row0 = (long long)b * hq_total + (long long)h * group;
 #if V_SMEM
   extern __shared__ __align__(16) u8 dsm[];
-  u8* const wsm = dsm + (threadIdx.x >> 5) * WARP_SMEM;  // this warp's part: [V slot][K slot][Q fragments]
+  u8* const wsm = dsm + (threadIdx.x >> 5) * WARP_SMEM;  // this warp's part: [V slot][Q fragments]
   const u32 vslot = (u32)__cvta_generic_to_shared(wsm);
-#if K_SMEM
-  const u32 kslot = vslot + SLOT_BYTES;
-#endif
-  uint4* const s_q = reinterpret_cast<uint4*>(wsm + (K_SMEM ? 2 : 1) * SLOT_BYTES);  // [NB][32]
+  uint4* const s_q = reinterpret_cast<uint4*>(wsm + SLOT_BYTES);  // [NB][32]
 #endif
 
   // Q^T as the B operand: lane (g, t) holds q[head g][16 ks + 2t, +1] and [16 ks + 2t + 8, +9]; heads >= group: 0.
@@ -388,12 +304,8 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
 
   u32 sk = __shfl_sync(FULL, meta[0], 0), sv = __shfl_sync(FULL, meta[1], 0);
   u32 dk = __shfl_sync(FULL, meta[2], 0), dv = __shfl_sync(FULL, meta[3], 0);
-#if K_SMEM
-  stage_group(pool, sk, dk, kslot, lane);
-#else
   u32 kb[NB][8];
   load_group(pool, sk, dk, kb, lane);
-#endif
 #if V_SMEM
   stage_group(pool, sv, dv, vslot, lane);
 #else
@@ -423,22 +335,6 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
 
     // S^T = K Q^T for this page's 16 tokens
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-#if K_SMEM
-    cp_wait<1>();  // this page's K (its V, staged after it, may still be in flight)
-    {
-      u32 a = kslot;
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        u32 a0[4], a1[4];
-        staged_frags(a, (dk >> (8 * j)) & 0xFFu, lane, a0, a1);
-        BQ(j);
-        mma(s, a0, BQ0);
-        mma(s, a1, BQ1);
-      }
-    }
-    __syncwarp();
-    if (more) stage_group(pool, nsk, ndk, kslot, lane);
-#else
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
       u32 a0[4], a1[4];
@@ -448,7 +344,6 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
       mma(s, a1, BQ1);
     }
     if (more) load_group(pool, nsk, ndk, kb, lane);
-#endif
 
     // online softmax in base 2; the running max moves only when a head's max grows by more than 2^8
     const int tok = (p0 + p) * 16 + g;
@@ -483,8 +378,7 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
 
     // O^T += V^T P^T
 #if V_SMEM
-    // this page's V; with K staged too, the next page's K (staged after it) may still be in flight
-    if (K_SMEM && more) cp_wait<1>(); else cp_wait<0>();
+    cp_wait<0>();  // this page's V
     {
       u32 a = vslot;
 #pragma unroll
@@ -596,19 +490,7 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, u16* __restric
       if (hd0 < group) lse[r0] = m0 + __log2f(l0);
       if (hd1 < group) lse[r1] = m1 + __log2f(l1);
     }
-#if TAIL_MERGE
-    tail_merge(opart, lse, out, arrive, b * hkv + h, row0, group, num_splits, npieces, lane);
-#endif
   }
-}
-
-// Programmatic dependent launch (plan pdl=True): a kernel may be scheduled while the one before it in the stream
-// drains, so each kernel here waits for that one's memory before its first read. Returns at once when launched
-// without the attribute, or before sm_90.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 }
 
 // One warp's share of the grid: its split (even splits) or its run of pages (BALANCED).
@@ -616,8 +498,7 @@ __device__ __forceinline__ void decode_warp(
     const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__ opart, float* __restrict__ lse,
     const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
     const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
-    float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch,
-    int* __restrict__ arrive) {
+    float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch) {
   const int lane = threadIdx.x & 31;
   const int unit = blockIdx.x * NWARPS + (threadIdx.x >> 5);
 #if BALANCED
@@ -643,9 +524,8 @@ __device__ __forceinline__ void decode_warp(
     const int n = (int)min((long long)(len - p0), xe - x);
     const long long first = base + (long long)h * len;  // the unit's first page in the laid-out lists
     const int piece = unit - (int)(first / per_warp);
-    const int npieces = (int)((first + len - 1) / per_warp - first / per_warp) + 1;  // as zip_merge_balanced
     attend(q, out, opart, lse, indptr, indices, pool, gstart, gdesc, scale_log2, num_splits, hkv, group, lane, b, h,
-           piece, p0, n, kv_lens[b], arrive, npieces);
+           piece, p0, n, kv_lens[b]);
     x += n;
   }
 #else
@@ -658,9 +538,8 @@ __device__ __forceinline__ void decode_warp(
   // pages per split from device memory, not a launch argument: a captured CUDA graph stays valid as contexts grow
   const int pages_per_split = *split_pages;
   const int p0 = split * pages_per_split;
-  const int npieces = (kv_len + 16 * pages_per_split - 1) / (16 * pages_per_split);  // splits holding tokens
   attend(q, out, opart, lse, indptr, indices, pool, gstart, gdesc, scale_log2, num_splits, hkv, group, lane, b, h,
-         split, p0, min((kv_len + 15) / 16 - p0, pages_per_split), kv_len, arrive, npieces);
+         split, p0, min((kv_len + 15) / 16 - p0, pages_per_split), kv_len);
 #endif
 }
 
@@ -677,22 +556,21 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
            const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ kv_lens,
            const u8* __restrict__ pool, const long long* __restrict__ gstart, const u8* __restrict__ gdesc,
            float scale_log2, const int* __restrict__ split_pages, int num_splits, int hkv, int group, int batch,
-           int* __restrict__ arrive) {
-  wait_for_previous_kernel();
+           int* __restrict__ clock) {
 #if WARP_CLOCK
-  // arrive is the clock buffer here: per warp of the grid, [start ns, end ns, SM id, clock64 cycles]
+  // per warp of the grid: [start ns, end ns, SM id, clock64 cycles]
   const u64 t0 = global_ns();
   const long long c0 = clock64();
 #endif
   decode_warp(q, out, opart, lse, indptr, indices, kv_lens, pool, gstart, gdesc, scale_log2, split_pages, num_splits,
-              hkv, group, batch, arrive);
+              hkv, group, batch);
 #if WARP_CLOCK
   const long long c1 = clock64();
   const u64 t1 = global_ns();
   if ((threadIdx.x & 31) == 0) {
     u32 sm;
     asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
-    u64* rec = reinterpret_cast<u64*>(arrive) + 4 * ((u64)blockIdx.x * NWARPS + (threadIdx.x >> 5));
+    u64* rec = reinterpret_cast<u64*>(clock) + 4 * ((u64)blockIdx.x * NWARPS + (threadIdx.x >> 5));
     rec[0] = t0;
     rec[1] = t1;
     rec[2] = sm;
@@ -703,9 +581,8 @@ zip_decode(const u16* __restrict__ q, u16* __restrict__ out, float* __restrict__
 
 // out[b, hq, d] = sum_s 2^(lse_s - lse) o_s over pieces 0..n-1 of row (b, hq) (log-sum-exp merge): both merges.
 // The first MERGE_CHUNK pieces' log-sum-exps and values are loaded together before any is used, so the merge waits
-// on memory once, not twice per piece. H200 engine profile at 67 x 8K (~5 pieces a row): zip_merge_balanced 4.4 us
-// a launch against 6.0 for the loops that loaded one value at a time (bench/results/zip_engine_profile_merge_h200.json,
-// zip_engine_profile67_h200.json). Same arithmetic in the same order: the same bits (zip_kernel_ab_merge_h200.json).
+// on memory once, not twice per piece (a few pieces a row is the common case). Same arithmetic in the same order as
+// a loop that loads one value at a time: the same bits.
 #define MERGE_CHUNK 8
 __device__ __forceinline__ void merge_pieces(const float* __restrict__ opart, const float* __restrict__ lse,
                                              u16* __restrict__ out, int b, int hq, int d, int n, int num_splits,
@@ -745,7 +622,6 @@ extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, c
                                               u16* __restrict__ out, const int* __restrict__ indptr,
                                               const int* __restrict__ split_pages, int num_splits, int hq_total,
                                               int group) {
-  wait_for_previous_kernel();
   const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
   const long long per_warp = *split_pages, hkv = hq_total / group, len = indptr[b + 1] - indptr[b];
   const long long first = hkv * indptr[b] + (hq / group) * len;
@@ -757,7 +633,6 @@ extern "C" __global__ void zip_merge_balanced(const float* __restrict__ opart, c
 extern "C" __global__ void zip_merge(const float* __restrict__ opart, const float* __restrict__ lse,
                                      u16* __restrict__ out, const int* __restrict__ kv_lens,
                                      const int* __restrict__ split_pages, int num_splits, int hq_total) {
-  wait_for_previous_kernel();
   const int b = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
   const int split_tokens = 16 * *split_pages;
   const int n = (kv_lens[b] + split_tokens - 1) / split_tokens;
