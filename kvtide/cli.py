@@ -217,6 +217,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 # `kvtide serve` on CUDA: decode steps as CUDA graphs (async scheduling is on there already). Compression stays
 # opt-in (--compress): served, its prefill steps cost more than its faster decode steps save (docs/benchmarks.md)
 SERVE_CUDA_DEFAULTS = {"cuda_graphs": True}
+# on the CPU: linears through oneDNN with packed weights (one engine per server, so its extra memory is paid once)
+SERVE_CPU_DEFAULTS = {"cpu_onednn": True}
 
 # `kvtide bench NAME ...` runs NAME's main(argv): "x.py" is bench/x.py of a source checkout, a dotted name a module.
 # Each suite writes JSON (machine/versions header first) and a PNG of its headline figure; bench/tools/ holds the
@@ -344,9 +346,9 @@ def _resolve(a: argparse.Namespace) -> dict[str, Any]:
         if a.model is not None and a.model != a.model_arg:
             raise ValueError(f"two models given: {a.model_arg!r} and --model {a.model!r}")
         a.model = a.model_arg
-    a.settings = resolve_settings(a, ServerConfig)
-    if a.settings.engine.torch_device.type == "cuda":  # a server's defaults there: the fastest measured settings
-        a.settings = resolve_settings(a, ServerConfig, defaults=SERVE_CUDA_DEFAULTS)
+    a.settings = resolve_settings(a, ServerConfig)  # a server's defaults: the fastest measured settings
+    cuda = a.settings.engine.torch_device.type == "cuda"
+    a.settings = resolve_settings(a, ServerConfig, defaults=SERVE_CUDA_DEFAULTS if cuda else SERVE_CPU_DEFAULTS)
     a.engine_config = a.settings.engine
     return {**config_dict(a.engine_config), "server": dataclasses.asdict(a.settings.server)}
 

@@ -225,6 +225,10 @@ class EngineConfig:
     # host's per-step work (scheduling, page tables, attention plans, compression bookkeeping, outputs) runs while
     # the device computes. None: on for CUDA engines without restoration; the CPU gains nothing from it.
     async_scheduling: bool | None = None
+    # float32 on the CPU: linear layers through oneDNN with weights packed once at load (kvtide.models.cpu_linear),
+    # faster than torch's default GEMM for the engine's shapes, at more memory per engine (docs/config.md): on in
+    # `kvtide serve`, off for in-process engines
+    cpu_onednn: bool = False
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

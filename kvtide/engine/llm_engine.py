@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from ..cache.zip_pages import ZipGeometry, ZipPagedKV
 from ..config import EngineConfig
 from ..log import get_logger
+from ..models.cpu_linear import pack_linears
 from ..models.loader import load_model
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepHandle
@@ -53,6 +54,8 @@ class LLMEngine:
         dtype = config.torch_dtype
         sched_cfg = config.scheduler
         self.model, self.tokenizer, self.model_dir = load_model(config.model, device, dtype, progress=progress)
+        if config.cpu_onednn and device.type == "cpu" and dtype == torch.float32:
+            pack_linears(self.model)
         args = self.model.args
         self.max_model_len = min(sched_cfg.max_model_len or args.max_position_embeddings, args.max_position_embeddings,
                                  self.model.rope_cos.shape[0])

@@ -17,14 +17,23 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(name)
 
 
+def printed_generate(capsys, *args: str) -> dict:
+    assert main(["generate", "hi", "--print-config", *args]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
 def served_config(capsys, *args: str) -> dict:
     assert main(["serve", "--print-config", *args]) == 0
     return yaml.safe_load(capsys.readouterr().out)
 
 
-def test_cpu_serve_keeps_the_engine_defaults(capsys, clean_env):
+def test_cpu_serve_defaults(capsys, clean_env, monkeypatch):
     cfg = served_config(capsys, "--device", "cpu")
     assert cfg["cuda_graphs"] is False and cfg["cache"]["compress"] is False
+    assert cfg["cpu_onednn"] is True  # the server's CPU default; in-process engines keep torch's GEMM
+    assert printed_generate(capsys)["cpu_onednn"] is False
+    monkeypatch.setenv("KVTIDE_CPU_ONEDNN", "0")
+    assert served_config(capsys, "--device", "cpu")["cpu_onednn"] is False
 
 
 def test_cuda_serve_defaults_yield_to_flags_env_and_file(capsys, clean_env, monkeypatch, tmp_path):
