@@ -12,9 +12,6 @@ import io
 import json
 import re
 import shlex
-import socket
-import threading
-import time
 import tomllib
 from pathlib import Path
 
@@ -90,33 +87,19 @@ def test_pip_extras_exist():
     assert table == set(extras()), f"README's extras table {sorted(table)} != pyproject.toml's {sorted(extras())}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     """``host:port`` of a live `kvtide serve` app over the bundled model, on loopback."""
-    import uvicorn
-
+    from kvtide.benchmarks.procs import free_port
     from kvtide.engine.llm import LLM
     from kvtide.server.app import build_app
     from kvtide.server.config import ServerConfig
+    from tests.server.app_thread import app_thread
 
     llm = LLM(MODEL, device="cpu", cache={"num_pages": 256}, progress=False)
-    cfg = ServerConfig(port=_free_port(), log_stats_interval_s=0)
-    srv = uvicorn.Server(uvicorn.Config(build_app(llm, cfg), host="127.0.0.1", port=cfg.port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, name="uvicorn-readme", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"127.0.0.1:{cfg.port}"
-    srv.should_exit = True
-    thread.join(timeout=30)
+    cfg = ServerConfig(port=free_port(), log_stats_interval_s=0)
+    with app_thread(build_app(llm, cfg), cfg.port):
+        yield f"127.0.0.1:{cfg.port}"
     llm.loop.stop()
 
 

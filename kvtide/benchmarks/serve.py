@@ -22,6 +22,7 @@ from .client import RequestResult, stream_completion
 from .datasets import (BenchRequest, TokenRange, arrival_times, prefix_repetition_requests, random_requests,
                        trace_requests)
 from .header import machine_header
+from .procs import RESULTS_DIR, json_safe
 from .summary import SLO, summarize
 from ..extras import require
 
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-duration", type=float,
                     help="seconds per rate after which no new request is sent (those not sent are not counted)")
     ap.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore_eos)")
-    ap.add_argument("--out", help="JSON path (default bench/results/serve_<dataset>.json); the PNG goes beside it")
+    ap.add_argument("--out", help="JSON path (default serve_<dataset>.json in the results folder); the PNG goes beside it")
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these result files together into --out's PNG")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -261,7 +262,7 @@ async def bench(a: argparse.Namespace) -> dict:
                 r = await stream_completion(client, url, model, w, ignore_eos)
                 if not r.ok:
                     raise RuntimeError(f"warm-up request failed: {r.error}")
-            results, duration = await run_rate(client, url, model, make_requests(a, len(runs)), rate, max_concurrency=a.max_concurrency,
+            results, duration = await run_rate(client, url, model, make_requests(a, len(runs)) if runs else reqs, rate, max_concurrency=a.max_concurrency,
                                                burstiness=a.burstiness, seed=a.seed, max_duration=a.max_duration,
                                                ignore_eos=ignore_eos, progress=not a.no_progress)
             run = {"request_rate": rate, "max_concurrency": a.max_concurrency, "num_sent": len(results),
@@ -295,17 +296,6 @@ async def bench(a: argparse.Namespace) -> dict:
     if slo is not None:
         out["slo_rate"] = slo_rate(runs, slo)
     return out
-
-
-def _json_safe(x: Any) -> Any:
-    """inf / nan as strings (JSON has neither)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_json_safe(v) for v in x]
-    return x
 
 
 def _num(x: Any) -> float:
@@ -342,7 +332,7 @@ def plot(results: list[dict], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    out = Path(a.out or f"bench/results/serve_{a.dataset}.json")
+    out = Path(a.out or RESULTS_DIR / f"serve_{a.dataset}.json")
     png = out.with_suffix(".png")
     if a.plot:
         plot([json.loads(Path(p).read_text()) for p in a.plot], png)
@@ -350,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = asyncio.run(bench(a))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_json_safe(res), indent=1) + "\n")
+    out.write_text(json.dumps(json_safe(res), indent=1) + "\n")
     try:
         plot([json.loads(out.read_text())], png)
     except ImportError:

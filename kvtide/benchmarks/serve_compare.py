@@ -14,13 +14,12 @@ import os
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 
 from . import serve as bench_serve
 from .header import machine_header
-from .serve_soak import _free_port, _rss_mb
+from .procs import RESULTS_DIR, free_port, json_safe, rss_mb, wait_ready
 from ..extras import require
 
 httpx = require("httpx", "bench", "kvtide bench serve")
@@ -31,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server", action="append", required=True, metavar="LABEL=COMMAND",
                     help="a server to start; COMMAND holds {port}; repeat for each")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to come up")
-    ap.add_argument("--out", default="bench/results/serve_compare.json")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "serve_compare.json"))
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `kvtide bench serve` arguments")
     return ap
 
@@ -43,22 +42,6 @@ def _start(command: str, port: int, log_path: Path) -> subprocess.Popen:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         log.close()  # the child holds its own copy
-
-
-def _wait_ready(proc: subprocess.Popen, base: str, timeout: float, log_path: Path) -> float:
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready; see {log_path}:\n"
-                               + log_path.read_text()[-3000:])
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s; see {log_path}")
-        time.sleep(1)
 
 
 def _stop(proc: subprocess.Popen, grace: float = 60.0) -> int:
@@ -81,17 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, command = spec.partition("=")
         if not sep or "{port}" not in command:
             raise ValueError(f"--server {spec!r}: expected LABEL=COMMAND with {{port}} in COMMAND")
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         log_path = out.with_name(f"{out.stem}.{label}.log")
         proc = _start(command, port, log_path)
         ok_log = False  # a server's log is kept only when it failed
         try:
-            ready = _wait_ready(proc, base, a.ready_timeout, log_path)
+            ready = wait_ready(proc, base, a.ready_timeout, log_path)
             print(f"{label}: ready in {ready:.1f} s", flush=True)
             args = bench_serve.build_parser().parse_args([*rest, "--base-url", base, "--label", label])
             res = asyncio.run(bench_serve.bench(args))
-            res.update(command=command, ready_seconds=ready, server_rss_mb=_rss_mb(proc.pid))
+            res.update(command=command, ready_seconds=ready, server_rss_mb=rss_mb(proc.pid))
             results.append(res)
             ok_log = True
         except Exception as e:  # noqa: BLE001 - one server's failure is reported; the others still run
@@ -102,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             if ok_log:
                 log_path.unlink(missing_ok=True)
     doc = {"header": machine_header(argv), "bench_args": rest, "servers": results, "failed": failed}
-    out.write_text(json.dumps(bench_serve._json_safe(doc), indent=1) + "\n")
+    out.write_text(json.dumps(json_safe(doc), indent=1) + "\n")
     if results:
         try:
             bench_serve.plot(json.loads(out.read_text())["servers"], out.with_suffix(".png"))

@@ -17,7 +17,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ from .client import RequestResult, stream_completion
 from .datasets import random_requests
 from .header import machine_header
 from .hostile import KINDS, Target, send_hostile
-from .serve import _json_safe, run_rate
+from .procs import RESULTS_DIR, free_port, json_safe, rss_mb, wait_ready
+from .serve import run_rate
 from .summary import summarize
 from ..extras import require
 
@@ -52,25 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the first part of the soak not used for the RSS trend (default %(default)s)")
     ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS samples")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench/results/serve_soak.json")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "serve_soak.json"))
     return ap
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        return None
-    return None
 
 
 def _gauges(text: str) -> dict[str, float]:
@@ -97,8 +80,8 @@ def _slope_per_min(points: list[tuple[float, float]]) -> float:
 async def _soak(a: argparse.Namespace, proc: subprocess.Popen, base: str) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.timeout, connect=30.0),
                                  limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64)) as c:
-        model = (await c.get(base + "/v1/models")).json()["data"][0]["id"]
-        max_len = int((await c.get(base + "/v1/models")).json()["data"][0].get("max_model_len") or 8192)
+        served = (await c.get(base + "/v1/models")).json()["data"][0]
+        model, max_len = served["id"], int(served.get("max_model_len") or 8192)
         target = Target(base, model, max_len, a.max_request_bytes)
         url = base + "/v1/completions"
         if a.rate is None:
@@ -121,7 +104,7 @@ async def _soak(a: argparse.Namespace, proc: subprocess.Popen, base: str) -> dic
 
         async def sampler() -> None:
             while not stop_sampling.is_set():
-                s = {"t": time.perf_counter() - start, "rss_mb": _rss_mb(proc.pid)}
+                s = {"t": time.perf_counter() - start, "rss_mb": rss_mb(proc.pid)}
                 try:
                     s.update(_gauges((await c.get(base + "/metrics", timeout=10)).text))
                 except (httpx.HTTPError, ValueError) as e:
@@ -236,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if not 0 <= a.hostile_fraction < 1 or not 0 < a.load <= 1 or a.duration <= 0:
         raise ValueError("--hostile-fraction must be in [0, 1), --load in (0, 1], --duration > 0")
-    port = _free_port()
+    port = free_port()
     args = shlex.split(a.serve_args)
     a.max_request_bytes = 1 << 20
     if "--max-request-bytes" in args:
@@ -249,18 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(log_path, "w") as server_log:
         proc = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"kvtide serve exited with {proc.returncode}; see {log_path}")
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvtide serve did not come up in 300 s; see {log_path}")
-                time.sleep(1)
+            wait_ready(proc, base, 300, log_path)
             res = asyncio.run(_soak(a, proc, base))
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
@@ -271,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
     out = {"header": machine_header(argv), "serve_args": a.serve_args, **res}
-    Path(a.out).write_text(json.dumps(_json_safe(out), indent=1) + "\n")
+    Path(a.out).write_text(json.dumps(json_safe(out), indent=1) + "\n")
     try:
         plot(out, Path(a.out).with_suffix(".png"))
     except ImportError:

@@ -1,8 +1,6 @@
 """A live `kvtide serve` app on 127.0.0.1 (uvicorn in a thread over one SmolLM2 engine), shared by the server tests."""
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from dataclasses import dataclass
 
@@ -11,10 +9,13 @@ import openai
 import pytest
 
 from kvtide import SamplingParams
+from kvtide.benchmarks.procs import free_port
 from kvtide.engine.llm import LLM
 from kvtide.server.app import build_app
 from kvtide.server.config import ServerConfig
 from kvtide.server.serving import Serving
+
+from .app_thread import app_thread
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 8
@@ -24,12 +25,6 @@ PROMPTS = ["Item 0: a list of things that", "Item 7: a list of things that", "On
            "The capital of France is", "import numpy as np", "The first president of the United States",
            "In the beginning", "Dear friend,", "SELECT * FROM", "The best way to learn"]
 MAX_REQUEST_BYTES = 64 << 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -66,19 +61,8 @@ class Live:
 
 @pytest.fixture(scope="session")
 def live():
-    import uvicorn
-
     llm = LLM(MODEL, device="cpu", cache={"num_pages": 256}, progress=False)
     cfg = ServerConfig(port=free_port(), max_request_bytes=MAX_REQUEST_BYTES, log_stats_interval_s=0.5)
     app = build_app(llm, cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.05)
-    yield Live(llm, app.state.serving, f"http://127.0.0.1:{cfg.port}")
-    server.should_exit = True
-    thread.join(30)
+    with app_thread(app, cfg.port, timeout_graceful_shutdown=5):
+        yield Live(llm, app.state.serving, f"http://127.0.0.1:{cfg.port}")
