@@ -26,6 +26,9 @@ SERVER_FLAGS: dict[str, str] = {
     "host": "host", "port": "port", "served_model_name": "served_model_name",
     "max_queued_requests": "max_queued_requests", "shutdown_timeout": "shutdown_timeout_s",
     "max_request_bytes": "max_request_bytes", "log_stats_interval": "log_stats_interval_s",
+    "role": "role", "advertise_url": "advertise_url", "kv_transport": "kv_transport",
+    "kv_transfer_host": "kv_transfer_host", "kv_profiles": "kv_profiles", "kv_pacing_gbps": "kv_pacing_gbps",
+    "kv_transfer_timeout": "kv_transfer_timeout_s", "kv_min_quality": "kv_min_quality",
 }
 
 
@@ -199,6 +202,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a.settings, log_level=a.log_level)
 
 
+def cmd_proxy(a: argparse.Namespace) -> int:
+    try:
+        from .server.proxy import run_proxy
+    except ModuleNotFoundError as e:
+        raise ValueError(f"kvtide proxy needs {e.name}: pip install 'kvtide[serve]'") from None
+    return run_proxy(a.prefill, a.decode, a.host, a.port, log_level=a.log_level)
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model (same as --model)")
     _engine_args(p)
@@ -212,6 +223,20 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, help="largest request body; larger ones get 413 (default 1 MiB)")
     p.add_argument("--log-stats-interval", type=float, metavar="SECONDS",
                    help="seconds between throughput log lines (0: off; default 10)")
+    g = p.add_argument_group("prefill/decode disaggregation (with `kvtide proxy`)")
+    g.add_argument("--role", choices=("both", "prefill", "decode"),
+                   help="prefill: also serve cached KV to decode instances; decode: pull a request's KV from the "
+                        "prefill instance its kv_transfer_params name (default both: whole requests)")
+    g.add_argument("--advertise-url", help="the URL peers reach this instance at (default http://HOST:PORT)")
+    g.add_argument("--kv-transport", choices=("mooncake", "inproc"), help="KV transport (default mooncake)")
+    g.add_argument("--kv-transfer-host", help="the transport's local address (default 127.0.0.1)")
+    g.add_argument("--kv-profiles", metavar="FILE",
+                   help="KVServe profile table (kvtide bench kvserve-profiles); default: lossless profiles only")
+    g.add_argument("--kv-pacing-gbps", type=float, help="pace the prefill side's KV writes to this rate")
+    g.add_argument("--kv-transfer-timeout", type=float, metavar="SECONDS",
+                   help="a hand-off not complete by then is dropped and the prompt recomputed (default 30)")
+    g.add_argument("--kv-min-quality", type=float,
+                   help="default minimum relative quality of a hand-off (default 1.0: lossless)")
 
 
 # `kvtide serve` on CUDA: decode steps as CUDA graphs (async scheduling is on there already). Compression stays
@@ -219,6 +244,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 SERVE_CUDA_DEFAULTS = {"cuda_graphs": True}
 # on the CPU: linears through oneDNN with packed weights (one engine per server, so its extra memory is paid once)
 SERVE_CPU_DEFAULTS = {"cpu_onednn": True}
+
+def role_restore_defaults(role: str, page_size: int) -> dict[str, Any]:
+    """A P/D role's KV tier (under the file, env and flags): in memory, chunks of one page so a hand-off covers
+    all but the prompt's last partial page; the decode side loads what arrives rather than planning a recompute,
+    and keeps no copies of its own requests."""
+    if role == "prefill":
+        return {"store": "memory", "chunk_tokens": page_size, "write_on_finish": True}
+    return {"store": "memory", "chunk_tokens": page_size, "method": "load", "write_on_finish": False, "spill": False}
+
 
 # `kvtide bench NAME ...` runs NAME's main(argv): "x.py" is bench/x.py of a source checkout, a dotted name a module.
 # Each suite writes JSON (machine/versions header first) and a PNG of its headline figure; bench/tools/ holds the
@@ -237,6 +271,7 @@ BENCH_SUITES = {
     "serve": "kvtide.benchmarks.serve",  # load generator for any OpenAI-compatible server
     "serve-compare": "kvtide.benchmarks.serve_compare",  # several servers in turn under one serve bench
     "serve-soak": "kvtide.benchmarks.serve_soak",  # kvtide serve under load with hostile requests mixed in
+    "gpu": "gpu.py",  # CUDA: real-KV capture, GPU tests, the headline GPU suites, new figures against committed ones
 }
 
 
@@ -301,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     _serve_args(p)
     p.set_defaults(fn=cmd_serve)
 
+    p = sub.add_parser("proxy", parents=[common],
+                       help="one OpenAI endpoint in front of prefill and decode instances (P/D disaggregation)")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill instances (kvtide serve --role prefill)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (--role decode)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.set_defaults(fn=cmd_proxy)
+
     p = sub.add_parser("bench", parents=[common],
                        help="benchmark suites (JSON + PNG under bench/results/); NAME --help for options")
     p.add_argument("suite", choices=sorted(BENCH_SUITES))
@@ -309,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
     a = ap.parse_args(argv)
     if a.log_level is None:
-        a.log_level = "info" if a.cmd == "serve" else "warning"
+        a.log_level = "info" if a.cmd in ("serve", "proxy") else "warning"
     configure_logging(a.log_level)
     from .extras import MissingExtra
     from .models.registry import ModelNotFoundError
@@ -348,7 +391,11 @@ def _resolve(a: argparse.Namespace) -> dict[str, Any]:
         a.model = a.model_arg
     a.settings = resolve_settings(a, ServerConfig)  # a server's defaults: the fastest measured settings
     cuda = a.settings.engine.torch_device.type == "cuda"
-    a.settings = resolve_settings(a, ServerConfig, defaults=SERVE_CUDA_DEFAULTS if cuda else SERVE_CPU_DEFAULTS)
+    defaults = dict(SERVE_CUDA_DEFAULTS if cuda else SERVE_CPU_DEFAULTS)
+    role = a.settings.server.role
+    if role != "both":
+        defaults["restore"] = role_restore_defaults(role, a.settings.engine.cache.page_size)
+    a.settings = resolve_settings(a, ServerConfig, defaults=defaults)
     a.engine_config = a.settings.engine
     return {**config_dict(a.engine_config), "server": dataclasses.asdict(a.settings.server)}
 

@@ -27,17 +27,28 @@ from .serving import Serving
 
 if TYPE_CHECKING:
     from ..engine.llm import LLM
+    from ..transfer.transport.base import Transport
 
 log = get_logger("server")
 
 LOOP_STOP_TIMEOUT_S = 10.0
 
 
-def build_app(llm: "LLM", cfg: ServerConfig, model_name: str | None = None) -> FastAPI:
-    """The app serving ``llm`` as ``model_name`` (default: ``cfg.served_model_name``, else the engine's model)."""
+def build_app(llm: "LLM", cfg: ServerConfig, model_name: str | None = None, transport: "Transport | None" = None
+              ) -> FastAPI:
+    """The app serving ``llm`` as ``model_name`` (default: ``cfg.served_model_name``, else the engine's model).
+    A prefill or decode ``cfg.role`` opens its KV transport (``transport``: one given, e.g. in-process in tests)."""
     name = model_name or cfg.served_model_name or llm.config.model
     serving = Serving(llm, cfg, name)
     started = int(time.time())
+    if cfg.role != "both":
+        from .pd import DecodeRole, PrefillRole, open_role_transport
+        from .pd_metrics import TransferMetrics
+
+        transport = transport or open_role_transport(cfg)
+        role = PrefillRole if cfg.role == "prefill" else DecodeRole
+        serving.pd = role(llm.engine, cfg, transport, TransferMetrics(serving.metrics.registry, name))
+        log.info("%s role: KV transport %s at %s", cfg.role, type(transport).__name__, transport.session)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,6 +61,8 @@ def build_app(llm: "LLM", cfg: ServerConfig, model_name: str | None = None) -> F
         finally:
             stats.cancel()
             serving.close_all()
+            if serving.pd is not None:
+                await serving.pd.aclose()
             await run_in_threadpool(llm.loop.stop, LOOP_STOP_TIMEOUT_S)
             log.info("engine loop stopped")
 
@@ -80,6 +93,16 @@ def build_app(llm: "LLM", cfg: ServerConfig, model_name: str | None = None) -> F
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(request)
+
+    if cfg.role == "prefill":
+        @app.post("/v1/kv/pull")
+        async def kv_pull(request: Request) -> Response:
+            from starlette.responses import StreamingResponse
+
+            from .serving import read_json
+
+            ids, dst, q, slo = serving.pd.parse_pull(await read_json(request, cfg.max_request_bytes * 8))
+            return StreamingResponse(serving.pd.pull(ids, dst, q, slo), media_type="application/x-ndjson")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

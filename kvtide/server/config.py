@@ -23,6 +23,19 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20  # request bodies beyond it get 413, unread
     max_choices: int = 64  # engine requests one HTTP request may make (prompts x n)
     log_stats_interval_s: float = 10.0  # the periodic throughput / cache log line (0: off)
+    # prefill/decode disaggregation (kvtide/server/pd.py): "both" serves whole requests; "prefill" also serves its
+    # cached KV at /v1/kv/pull; "decode" pulls a request's KV named by its kv_transfer_params before running it
+    role: str = "both"
+    advertise_url: str | None = None  # the URL peers reach this instance at (None: http://host:port)
+    kv_transport: str = "mooncake"  # mooncake (Mooncake Transfer Engine) | inproc (one process, tests)
+    kv_transfer_host: str = "127.0.0.1"  # the transport's local address
+    kv_transfer_protocol: str = "tcp"  # tcp | rdma (Mooncake)
+    kv_transfer_timeout_s: float = 30.0  # a hand-off not complete by then is abandoned: the prompt is recomputed
+    kv_transfer_max_bytes: int = 8 << 30  # the largest receive buffer a decode instance allocates for one request
+    kv_profiles: str | None = None  # a KVServe profile table (kvtide bench kvserve-profiles); None: lossless only
+    kv_bandwidth_guess_gbps: float = 10.0  # what the policy assumes of a peer before its first measured transfer
+    kv_pacing_gbps: float | None = None  # sender-side token bucket on the transport (None: the link's own rate)
+    kv_min_quality: float = 1.0  # a request's default minimum relative quality (1.0: lossless)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -36,6 +49,26 @@ class ServerConfig:
         _int(self, "retry_after_s", 0)
         _int(self, "max_request_bytes", 1024)
         _int(self, "max_choices", 1)
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"ServerConfig.role must be both, prefill or decode, got {self.role!r}")
+        if self.kv_transport not in ("mooncake", "inproc"):
+            raise ValueError(f"ServerConfig.kv_transport must be mooncake or inproc, got {self.kv_transport!r}")
+        if self.kv_transfer_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"ServerConfig.kv_transfer_protocol must be tcp or rdma, got {self.kv_transfer_protocol!r}")
+        if self.advertise_url is not None and (not isinstance(self.advertise_url, str)
+                                               or not self.advertise_url.startswith(("http://", "https://"))):
+            raise ValueError(f"ServerConfig.advertise_url must be None or an http(s):// URL, got {self.advertise_url!r}")
+        _int(self, "kv_transfer_max_bytes", 1 << 20)
+        for name in ("kv_transfer_timeout_s", "kv_bandwidth_guess_gbps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"ServerConfig.{name} must be a finite number > 0, got {v!r}")
+        v = self.kv_pacing_gbps
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"ServerConfig.kv_pacing_gbps must be None or a finite number > 0, got {v!r}")
+        v = self.kv_min_quality
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise ValueError(f"ServerConfig.kv_min_quality must be a number in [0, 1], got {v!r}")
         for name in ("shutdown_timeout_s", "log_stats_interval_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -69,6 +69,11 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    # prefill/decode hand-off (kvtide/server/pd.py): the params a prefill leg answered with, and the caller's
+    # minimum relative quality (None: the server's default) and transfer SLO in seconds
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_min_quality: float | None = None
+    kv_slo_s: float | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -130,6 +135,37 @@ def _common(body: dict[str, Any], req: GenerationRequest, max_choices: int, num_
         if not req.stream:
             raise bad("stream_options", "'stream_options' is only allowed with 'stream': true")
         req.include_usage = _bool(opts, "include_usage", False, where="stream_options.include_usage")
+    _kv_transfer(body, req, num_prompts)
+
+
+def _kv_transfer(body: dict[str, Any], req: GenerationRequest, num_prompts: int) -> None:
+    """``kv_transfer_params`` (an object, as a prefill leg returned it) and ``kv_transfer`` ({min_quality, slo_ms})."""
+    params = body.get("kv_transfer_params")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise bad("kv_transfer_params", f"'kv_transfer_params' must be an object, got {_kind(params)}")
+        if num_prompts * req.n != 1:
+            raise bad("kv_transfer_params", "'kv_transfer_params' is for one prompt with n=1")
+        url = params.get("remote_url")
+        if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))
+                                or len(url) > 2048):
+            raise bad("kv_transfer_params.remote_url", f"'remote_url' must be an http(s):// URL, got {_show(url)}")
+        do = params.get("do_remote_decode")
+        if do is not None and not isinstance(do, bool):
+            raise bad("kv_transfer_params.do_remote_decode", f"'do_remote_decode' must be a boolean, got {_show(do)}")
+        req.kv_transfer_params = params
+    kv = body.get("kv_transfer")
+    if kv is None:
+        return
+    if not isinstance(kv, dict):
+        raise bad("kv_transfer", f"'kv_transfer' must be an object, got {_kind(kv)}")
+    unknown = sorted(set(kv) - {"min_quality", "slo_ms"})
+    if unknown:
+        raise bad("kv_transfer", f"'kv_transfer' has unknown fields {unknown}; expected min_quality, slo_ms")
+    if kv.get("min_quality") is not None:
+        req.kv_min_quality = _number(kv, "min_quality", 1.0, low=0.0, high=1.0)
+    if kv.get("slo_ms") is not None:
+        req.kv_slo_s = _number(kv, "slo_ms", 0.0, low=0.0, low_open=True) / 1000.0
 
 
 def _model(body: dict[str, Any]) -> str | None:

@@ -43,6 +43,8 @@ class Serving:
         self.metrics = ServerMetrics(llm.engine, model_name)
         self.admission = Admission(llm.engine.scheduler.config.max_num_seqs + cfg.max_queued_requests)
         self.open: set[Generation] = set()
+        self.pd: Any = None  # a PrefillRole or DecodeRole (kvtide/server/pd.py) where ServerConfig.role says so
+        self.url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
 
     @property
     def max_seq_len(self) -> int:
@@ -75,6 +77,7 @@ class Serving:
         try:
             prompts = await run_in_threadpool(self._tokenize, req)
             params = self._params(req, prompts)
+            kv = await self._hand_off(req, prompts)
             try:
                 gen.submit([p for p in prompts for _ in range(req.n)], params)
             except (ValueError, TypeError) as e:
@@ -88,7 +91,22 @@ class Serving:
         lens = [len(p) for p in prompts]
         if req.stream:
             return EventStream(self._events(gen, req, builder, lens), gen.close)
-        return await self._whole(request, gen, req, builder, lens)
+        return await self._whole(request, gen, req, builder, lens, kv)
+
+    async def _hand_off(self, req: GenerationRequest, prompts: list[list[int]]) -> dict[str, Any] | None:
+        """The prefill leg's params to answer with, or, on a decode instance, the KV pulled for the prompt (its
+        outcome goes into the answer as ``kv_transfer``; a failed pull has the prompt recomputed)."""
+        from .pd import DecodeRole, PrefillRole
+
+        p = req.kv_transfer_params
+        if p is None or self.pd is None:
+            return None
+        if isinstance(self.pd, PrefillRole):
+            return {"kv_transfer_params": self.pd.params(self.url)} if p.get("do_remote_decode") else None
+        if isinstance(self.pd, DecodeRole) and p.get("remote_url"):
+            q = req.kv_min_quality if req.kv_min_quality is not None else self.cfg.kv_min_quality
+            return {"kv_transfer": await self.pd.receive(prompts[0], p, q, req.kv_slo_s)}
+        return None
 
     def _tokenize(self, req: GenerationRequest) -> list[list[int]]:
         """Token ids of every prompt (chat: the template's rendering of the messages); a worker thread."""
@@ -134,7 +152,7 @@ class Serving:
         return out
 
     async def _whole(self, request: Request, gen: Generation, req: GenerationRequest, builder: ResponseBuilder,
-                     lens: list[int]) -> Response:
+                     lens: list[int], extra: dict[str, Any] | None = None) -> Response:
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             finals: dict[int, Any] = {}
@@ -155,6 +173,8 @@ class Serving:
             outs = [finals[i] for i in range(len(finals))]
             usage = _usage(outs, lens, req.n)
             body = builder.whole([o.text for o in outs], [o.finish_reason for o in outs], usage)
+            if extra:
+                body.update(extra)
             return JSONResponse(body)
         finally:
             gone.cancel()

@@ -1,0 +1,21 @@
+"""The KV transport for prefill/decode disaggregation: one-sided writes into a peer's registered host buffer.
+
+`open_transport` gives an endpoint: the Mooncake Transfer Engine (`mooncake.py`, the real one; optional extra
+``pd``) or an in-process one for tests (`inproc.py`). `pacing.py` holds a sender to a set rate and measures
+goodput. The design and the measured behaviour: docs/design/transport.md.
+"""
+from .base import (BufferFreed, LocalBuffer, PeerUnreachable, RemoteBuffer, Transport, TransportError,
+                   TransportTimeout, open_transport)
+from .inproc import InProcTransport
+from .pacing import GoodputMeter, PacedTransport, TokenBucket
+
+__all__ = ["BufferFreed", "LocalBuffer", "PeerUnreachable", "RemoteBuffer", "Transport", "TransportError",
+           "TransportTimeout", "open_transport", "InProcTransport", "GoodputMeter", "PacedTransport", "TokenBucket",
+           "MooncakeTransport"]
+
+
+def __getattr__(name: str):
+    if name == "MooncakeTransport":  # imported on use: the engine is an optional extra
+        from .mooncake import MooncakeTransport
+        return MooncakeTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
