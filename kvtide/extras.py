@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "prometheus_client", "starlette", "anyio"),
     "bench": ("matplotlib", "httpx"),
     "hf": ("transformers", "accelerate"),
+    "pd": ("mooncake",),  # the Mooncake Transfer Engine (also needs apt-get install libibverbs1)
 }
 
 

@@ -101,8 +101,21 @@ def build_app(llm: "LLM", cfg: ServerConfig, model_name: str | None = None, tran
 
             from .serving import read_json
 
-            ids, dst, q, slo = serving.pd.parse_pull(await read_json(request, cfg.max_request_bytes * 8))
-            return StreamingResponse(serving.pd.pull(ids, dst, q, slo), media_type="application/x-ndjson")
+            args = serving.pd.parse_pull(await read_json(request, cfg.max_request_bytes * 8))
+            return StreamingResponse(serving.pd.pull(*args), media_type="application/x-ndjson")
+
+    if cfg.role == "prefill" and cfg.kv_pacing_gbps is not None:
+        @app.post("/v1/kv/link")
+        async def kv_link(request: Request) -> JSONResponse:
+            """The paced transport's rate, set live (benchmarks; only where pacing was asked for)."""
+            from .serving import read_json
+
+            body = await read_json(request, 4096)
+            g = body.get("pacing_gbps") if isinstance(body, dict) else None
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < 1e5:
+                raise APIError(400, f"'pacing_gbps' must be a number in (0, 1e5), got {g!r}", "pacing_gbps")
+            serving.pd.transport.set_rate(g * 1e9 / 8)
+            return JSONResponse({"pacing_gbps": g})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -105,7 +105,7 @@ class PrefillRole(KVRole):
             while len(self._staging) > 4:
                 self._staging.pop(0).free()
 
-    def parse_pull(self, body: Any) -> tuple[list[int], RemoteBuffer, float, float | None]:
+    def parse_pull(self, body: Any) -> tuple[list[int], RemoteBuffer, float, float | None, str | None]:
         if not isinstance(body, dict):
             raise bad(None, "the pull body must be a JSON object")
         ids = body.get("token_ids")
@@ -127,7 +127,15 @@ class PrefillRole(KVRole):
         if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or not slo > 0
                                 or not math.isfinite(slo)):
             raise bad("slo_s", f"'slo_s' must be a positive number of seconds or null, got {slo!r}")
-        return ids, dst, float(q), slo
+        spec = body.get("profile")
+        if spec is not None:
+            if not isinstance(spec, str) or not spec or len(spec) > 256:
+                raise bad("profile", f"'profile' must be a pipeline spec string, got {spec!r:.80}")
+            try:
+                Pipeline(spec)
+            except (ValueError, TypeError) as e:
+                raise bad("profile", f"'profile' {spec!r:.80} is not a pipeline: {e}") from None
+        return ids, dst, float(q), slo, spec
 
     def _ready(self, ids: list[int], deadline: float) -> int:
         """Tokens of the prompt's whole chunks this instance holds, waiting for the writer until ``deadline``."""
@@ -143,7 +151,8 @@ class PrefillRole(KVRole):
             got += 1
         return got * self.chunk
 
-    def pull(self, ids: list[int], dst: RemoteBuffer, min_quality: float, slo: float | None) -> Iterator[bytes]:
+    def pull(self, ids: list[int], dst: RemoteBuffer, min_quality: float, slo: float | None,
+             spec: str | None = None) -> Iterator[bytes]:
         """The control stream of one hand-off: a header line, a notice per layer, a result line (or an error
         line). Runs in a worker thread (a sync generator under Starlette)."""
         deadline = time.monotonic() + self.cfg.kv_transfer_timeout_s
@@ -155,11 +164,14 @@ class PrefillRole(KVRole):
             if dst.nbytes < capacity(raw_layer, self.num_layers):
                 raise HandoffError("refused", f"the receive buffer has {dst.nbytes} bytes; {n} tokens need "
                                               f"{capacity(raw_layer, self.num_layers)}")
-            choice = self.policy.decide(dst.session, raw_layer * self.num_layers, min_quality, slo)
+            if spec is not None:
+                choice = self.policy.named(dst.session, spec)
+            else:
+                choice = self.policy.decide(dst.session, raw_layer * self.num_layers, min_quality, slo)
             pipe = Pipeline(choice.spec)
-            yield _line({"tokens": n, "layers": self.num_layers, "spec": pipe.to_spec(),
-                         "profile": choice.decision.profile.name, "quality": choice.decision.profile.quality,
-                         "bandwidth": choice.bandwidth, "bandwidth_measured": choice.measured})
+            yield _line({"tokens": n, "layers": self.num_layers, "spec": pipe.to_spec(), "profile": choice.name,
+                         "quality": choice.quality, "bandwidth": choice.bandwidth,
+                         "bandwidth_measured": choice.measured, "decided": choice.decision is not None})
             keys = chunk_keys(ids[:n], self.restorer.keyspace)
             store, C = self.restorer.store, self.chunk
 
@@ -170,7 +182,7 @@ class PrefillRole(KVRole):
             staging = self._take_staging(layer_capacity(raw_layer))
             try:
                 timeout = max(0.1, deadline - time.monotonic())
-                for item in send_layers(read_layer, self.num_layers, pipe, choice.decision.profile.name,
+                for item in send_layers(read_layer, self.num_layers, pipe, choice.name,
                                         self.transport, staging, dst, timeout_s=timeout):
                     if isinstance(item, LayerNotice):
                         yield _line(item.to_dict())
@@ -203,7 +215,7 @@ class DecodeRole(KVRole):
         await super().aclose()
 
     async def receive(self, ids: list[int], params: dict[str, Any], min_quality: float,
-                      slo: float | None) -> dict[str, Any]:
+                      slo: float | None, profile: str | None = None) -> dict[str, Any]:
         """Pull and store the prompt's KV; returns what happened (``used`` False: the engine recomputes)."""
         n = self.cached_span(ids)
         if n == 0:
@@ -211,7 +223,7 @@ class DecodeRole(KVRole):
         t0 = time.perf_counter()
         try:
             url = params["remote_url"].rstrip("/") + PULL_PATH
-            return await asyncio.wait_for(self._pull(url, ids, n, min_quality, slo, t0),
+            return await asyncio.wait_for(self._pull(url, ids, n, min_quality, slo, profile, t0),
                                           timeout=self.cfg.kv_transfer_timeout_s)
         except HandoffError as e:
             reason = e.reason
@@ -226,7 +238,7 @@ class DecodeRole(KVRole):
         return {"used": False, "reason": reason, "message": msg}
 
     async def _pull(self, url: str, ids: list[int], n: int, min_quality: float, slo: float | None,
-                    t0: float) -> dict[str, Any]:
+                    profile: str | None, t0: float) -> dict[str, Any]:
         cap = capacity(self.raw_layer_bytes(n), self.num_layers)
         if cap > self.cfg.kv_transfer_max_bytes:
             raise HandoffError("too_large", f"{n} tokens need a {cap}-byte receive buffer; "
@@ -236,7 +248,7 @@ class DecodeRole(KVRole):
         result: dict[str, Any] = {}
         try:
             body = {"token_ids": ids, "key_space": self.space, "dst": buf.remote().to_dict(),
-                    "min_quality": min_quality, "slo_s": slo}
+                    "min_quality": min_quality, "slo_s": slo, "profile": profile}
             async with self._http.stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:300].decode("utf-8", "replace")

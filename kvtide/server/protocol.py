@@ -74,6 +74,7 @@ class GenerationRequest:
     kv_transfer_params: dict[str, Any] | None = None
     kv_min_quality: float | None = None
     kv_slo_s: float | None = None
+    kv_profile: str | None = None  # a pipeline spec the hand-off must use (None: the controller chooses)
 
     @property
     def prompt_param(self) -> str:
@@ -159,9 +160,14 @@ def _kv_transfer(body: dict[str, Any], req: GenerationRequest, num_prompts: int)
         return
     if not isinstance(kv, dict):
         raise bad("kv_transfer", f"'kv_transfer' must be an object, got {_kind(kv)}")
-    unknown = sorted(set(kv) - {"min_quality", "slo_ms"})
+    unknown = sorted(set(kv) - {"min_quality", "slo_ms", "profile"})
     if unknown:
-        raise bad("kv_transfer", f"'kv_transfer' has unknown fields {unknown}; expected min_quality, slo_ms")
+        raise bad("kv_transfer", f"'kv_transfer' has unknown fields {unknown}; expected min_quality, slo_ms, profile")
+    prof = kv.get("profile")
+    if prof is not None:
+        if not isinstance(prof, str) or not prof or len(prof) > 256:
+            raise bad("kv_transfer.profile", f"'profile' must be a pipeline spec string, got {_show(prof)}")
+        req.kv_profile = prof
     if kv.get("min_quality") is not None:
         req.kv_min_quality = _number(kv, "min_quality", 1.0, low=0.0, high=1.0)
     if kv.get("slo_ms") is not None:

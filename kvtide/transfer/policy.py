@@ -54,11 +54,18 @@ def table_profiles(path: str) -> list[Profile]:
 
 @dataclass
 class Choice:
-    decision: Decision
+    decision: Decision | None  # None: the caller named the profile (not the controller's decision)
     spec: str
     bandwidth: float  # bytes/s the decision assumed
     measured: bool  # whether that bandwidth was measured (else the guess)
     lossless_only: bool = True
+    name: str = ""  # the profile's name (its spec, or bf16)
+    quality: float | None = None  # its profiled relative quality (None: a named lossy spec not in the table)
+
+    def __post_init__(self) -> None:
+        if self.decision is not None:
+            self.name = self.name or self.decision.profile.name
+            self.quality = self.decision.profile.quality if self.quality is None else self.quality
 
 
 class TransferPolicy:
@@ -90,6 +97,16 @@ class TransferPolicy:
             d = ctl.decide(bw, float(max(volume, 1)), slo_s, min(min_quality, 1.0))
             return Choice(d, spec_of(d.profile), bw, measured, ctl is self.lossless)
 
+    def named(self, peer: str, spec: str) -> Choice:
+        """A profile the request named (a benchmark's fixed method, an operator's pin): no decision to learn from,
+        its quality from the table where the table has it (1.0 for a lossless pipeline)."""
+        canon = Pipeline(spec).to_spec()
+        bw, measured = self.bandwidth(peer)
+        known = {Pipeline(spec_of(p)).to_spec(): p for p in self.profiles}
+        p = known.get(canon)
+        quality = p.quality if p is not None else (1.0 if Pipeline(canon).lossless else None)
+        return Choice(None, canon, bw, measured, name=p.name if p is not None else canon, quality=quality)
+
     def observe(self, peer: str, choice: Choice, result: SendResult) -> None:
         with self._lock:
             m = self._meters.get(peer)
@@ -97,4 +114,5 @@ class TransferPolicy:
                 m = self._meters[peer] = GoodputMeter(self.alpha)
             if result.write_s > 0 and result.wire_bytes > 0:
                 m.observe(result.wire_bytes, result.write_s)
-            (self.lossless if choice.lossless_only else self.any).observe(choice.decision, result.total_s)
+            if choice.decision is not None:
+                (self.lossless if choice.lossless_only else self.any).observe(choice.decision, result.total_s)

@@ -7,15 +7,9 @@ goodput. The design and the measured behaviour: docs/design/transport.md.
 from .base import (BufferFreed, LocalBuffer, PeerUnreachable, RemoteBuffer, Transport, TransportError,
                    TransportTimeout, open_transport)
 from .inproc import InProcTransport
+from .mooncake import MooncakeTransport, mooncake_available  # the engine itself is imported on first use
 from .pacing import GoodputMeter, PacedTransport, TokenBucket
 
 __all__ = ["BufferFreed", "LocalBuffer", "PeerUnreachable", "RemoteBuffer", "Transport", "TransportError",
-           "TransportTimeout", "open_transport", "InProcTransport", "GoodputMeter", "PacedTransport", "TokenBucket",
-           "MooncakeTransport"]
-
-
-def __getattr__(name: str):
-    if name == "MooncakeTransport":  # imported on use: the engine is an optional extra
-        from .mooncake import MooncakeTransport
-        return MooncakeTransport
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+           "TransportTimeout", "open_transport", "InProcTransport", "MooncakeTransport", "mooncake_available",
+           "GoodputMeter", "PacedTransport", "TokenBucket"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,8 @@ class LocalBuffer:
     """Host memory registered with one `Transport`: ``array`` (uint8, writable) at address ``addr``.
 
     `free` unregisters it (peers' later writes into it fail) and is idempotent; the owner decides when the memory
-    itself is released (it may hold it a while so a late native write never lands in freed memory)."""
+    itself is released (it may hold it a while so a late native write never lands in freed memory, unless the
+    caller says the buffer is settled)."""
 
     def __init__(self, owner: Transport, array: np.ndarray):
         if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.writeable or not array.flags.c_contiguous:
@@ -102,12 +104,14 @@ class LocalBuffer:
             raise BufferFreed(f"buffer at {self.addr:#x} was freed")
         return RemoteBuffer(self._owner.session, self.addr, self.nbytes)
 
-    def free(self) -> None:
+    def free(self, settled: bool = False) -> None:
+        """Unregister the buffer; idempotent. ``settled=True`` says no peer's write into it can still be in
+        flight (every write the receiver waited for has completed), so its memory may go back at once."""
         with self._lock:
             if self._freed:
                 return
             self._freed = True
-        self._owner._release(self)
+        self._owner._release(self, settled)
 
     def __repr__(self) -> str:
         state = "freed" if self._freed else "live"
@@ -172,8 +176,8 @@ class Transport(ABC):
         """The transfer, arguments already checked and ``nbytes > 0``."""
 
     @abstractmethod
-    def _release(self, buf: LocalBuffer) -> None:
-        """Unregister ``buf`` (called once, by `LocalBuffer.free`)."""
+    def _release(self, buf: LocalBuffer, settled: bool) -> None:
+        """Unregister ``buf`` (called once, by `LocalBuffer.free`; ``settled`` as there)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -194,14 +198,19 @@ def check_alloc_size(nbytes: Any) -> int:
     return n
 
 
+# kind -> constructor(host, protocol, device); each transport module registers itself (the package imports them)
+_KINDS: dict[str, Callable[[str, str, str], Transport]] = {}
+
+
+def register_kind(kind: str, factory: Callable[[str, str, str], Transport]) -> None:
+    _KINDS[kind] = factory
+
+
 def open_transport(kind: str = "mooncake", host: str = "127.0.0.1", protocol: str = "tcp",
                    device: str = "") -> Transport:
     """A transport endpoint: ``"mooncake"`` (listening on ``host``; ``protocol`` tcp or rdma, ``device`` the NICs
     to use, empty for all) or ``"inproc"`` (this process only; the other arguments are ignored)."""
-    if kind == "mooncake":
-        from .mooncake import MooncakeTransport
-        return MooncakeTransport(host=host, protocol=protocol, device=device)
-    if kind == "inproc":
-        from .inproc import InProcTransport
-        return InProcTransport()
-    raise ValueError(f"kind: unknown transport {kind!r} (known: mooncake, inproc)")
+    factory = _KINDS.get(kind)
+    if factory is None:
+        raise ValueError(f"kind: unknown transport {kind!r} (known: {', '.join(sorted(_KINDS))})")
+    return factory(host, protocol, device)

@@ -13,7 +13,8 @@ its progress timeout (``MC_TCP_PROGRESS_TIMEOUT_SEC``, 30 s by default). So `wri
 ``timeout_s`` and raises `TransportTimeout`, while the native transfer is left to finish or fail on its own: the
 batch and the source memory are parked (kept alive, polled and freed by later calls), never released under it.
 A freed buffer is unregistered at once but its memory is held ``free_grace_s`` more, so a peer's write whose header
-passed the receiver's address check just before the unregister does not land in freed memory.
+passed the receiver's address check just before the unregister does not land in freed memory; a receiver that
+knows every write into the buffer completed says ``free(settled=True)`` and the memory goes back at once.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from kvtide.extras import MissingExtra, require
 from kvtide.log import get_logger
 
 from .base import (BufferFreed, LocalBuffer, PeerUnreachable, RemoteBuffer, Transport, TransportError,
-                   TransportTimeout, check_alloc_size)
+                   TransportTimeout, check_alloc_size, register_kind)
 
 log = get_logger("transfer.transport")
 
@@ -103,7 +104,7 @@ class MooncakeTransport(Transport):
         self._reap()
         return buf
 
-    def _release(self, buf: LocalBuffer) -> None:
+    def _release(self, buf: LocalBuffer, settled: bool) -> None:
         with self._lock:
             if self._buffers.pop(buf.addr, None) is None:
                 return
@@ -111,7 +112,8 @@ class MooncakeTransport(Transport):
                 rc = self._engine.unregister_memory(buf.addr)
                 if rc != 0:
                     log.warning("mooncake %s: unregister_memory(%#x) returned %d", self.session, buf.addr, rc)
-                self._quarantine.append((time.monotonic() + self.free_grace_s, buf.array))
+                if not settled:
+                    self._quarantine.append((time.monotonic() + self.free_grace_s, buf.array))
         self._reap()
 
     def held_bytes(self) -> int:
@@ -191,3 +193,5 @@ class MooncakeTransport(Transport):
 
 
 _ABANDONED: list[object] = []  # engines closed while a native write was still in flight (see close)
+
+register_kind("mooncake", lambda host, protocol, device: MooncakeTransport(host, protocol, device))

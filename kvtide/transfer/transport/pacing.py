@@ -126,8 +126,8 @@ class PacedTransport(Transport):
     def alloc(self, nbytes: int) -> LocalBuffer:
         return self.inner.alloc(nbytes)
 
-    def _release(self, buf: LocalBuffer) -> None:  # buffers belong to the inner transport
-        self.inner._release(buf)
+    def _release(self, buf: LocalBuffer, settled: bool) -> None:  # buffers belong to the inner transport
+        self.inner._release(buf, settled)
 
     def _write(self, src: LocalBuffer, src_offset: int, dst: RemoteBuffer, dst_offset: int, nbytes: int,
                timeout_s: float) -> None:
