@@ -42,7 +42,8 @@ bench-cpu: install-test
 FLASHINFER_SPEC ?= flashinfer-python==0.6.12
 GPU_ARGS ?=
 bench-gpu: install-test
-	$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('bench-gpu: this torch (' + torch.__version__ + ') sees no CUDA device; on a CUDA machine: make clean; make bench-gpu TORCH_SPEC=torch')"
+	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('bench-gpu: torch ' + torch.__version__ \
+	  + ' sees no CUDA device (on a CUDA machine: make clean; make bench-gpu TORCH_SPEC=torch)')"
 	$(PY) -m pip install -q -e ".[gpu]" "$(FLASHINFER_SPEC)"
 	$(VENV)/bin/kvtide bench gpu $(GPU_ARGS)
 

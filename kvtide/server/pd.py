@@ -283,7 +283,9 @@ class DecodeRole(KVRole):
                     lines.put(None)
                     decoded = await worker
         finally:
-            await asyncio.to_thread(buf.free)
+            # after the sender's "done" every write has returned: the buffer can go at once; otherwise a write may
+            # still be landing, and the transport holds the memory a while before reusing it
+            await asyncio.to_thread(buf.free, settled=bool(result))
         seconds = time.perf_counter() - t0
         wire = decoded.wire_bytes
         raw = self.raw_layer_bytes(got) * self.num_layers
