@@ -61,7 +61,7 @@ GPU_TESTS = (
     "tests/engine/test_async_scheduling.py::test_cuda_async_steps_give_the_synchronous_tokens",
     "tests/engine/test_async_scheduling.py::test_cuda_async_steps_in_a_small_cache_finish_every_request",
     "tests/restore/test_cuda_paths.py",
-    "tests/restore/test_layer_graphs.py",
+    "tests/restore/test_layer_graphs.py::test_cuda_layer_graphs_restore_the_eager_tokens",
     "tests/store/test_pinned_store.py",
 )
 
