@@ -6,8 +6,9 @@ symbol frequencies, summing to n), then the coder's u32 words (absent when n = 0
 The native decoder allocates n symbols and decodes past the end of its data without complaint, so before it is
 called the decoder checks, from the stream alone: the alphabet is the expected one, n is exactly the count the
 caller's declared shape implies, the counts add up to n, and the words can hold the information the counts
-claim (an ANS stream of n symbols with empirical counts c needs at least sum c log2(n / c) bits, less the coder's
-64-bit state). Anything else is a ContainerError.
+claim (an ANS stream of n symbols with empirical counts c needs about sum c log2(n / c) bits; the coder's words
+were seen up to 0.05% short of that on near-uniform real KV codes, so the check allows its 64-bit state plus
+0.1%). Anything else is a ContainerError.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .errors import ContainerError
 _HEAD = struct.Struct("<II")
 _STATE_BITS = 64  # the coder's final state, flushed into the words
 _SLACK_BITS = 64
+_SLACK_FRACTION = 1e-3  # of the counts' information (the coder beat the empirical entropy by 0.045% on real KV)
 
 
 def encode(sym: np.ndarray, alphabet: int) -> bytes:
@@ -65,7 +67,7 @@ def decode(buf: memoryview, alphabet: int, n_expected: int) -> np.ndarray:
             raise ContainerError(f"ans: {nwords} coded words for 0 symbols")
         return np.zeros(0, np.uint8)
     need = information_bits(counts)
-    if need > 32 * nwords + _STATE_BITS + _SLACK_BITS + 1e-9 * need:
+    if need > 32 * nwords + _STATE_BITS + _SLACK_BITS + _SLACK_FRACTION * need:
         raise ContainerError(f"ans: {nwords} words ({32 * nwords} bits) cannot hold {n} symbols of these counts "
                              f"(at least {math.ceil(need)} bits)")
     words = np.frombuffer(buf, np.uint32, nwords, body).copy()
