@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` (core install + the demo) and `make test` (+ every CPU-side extra, the tests).
+# Two commands on a fresh machine: `make demo` (core install + serve/transfer + the demo) and `make test` (+ every
+# CPU-side extra, the tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -27,7 +28,12 @@ install: $(VENV)/.core
 
 install-test: $(VENV)/.test
 
-demo: install
+# the demo's hand-off section runs two local instances (serve) through the controller's pipelines (transfer)
+$(VENV)/.demo: $(VENV)/.core
+	$(PY) -m pip install -q -e ".[serve,transfer]"
+	touch $@
+
+demo: $(VENV)/.demo
 	$(VENV)/bin/kvtide demo
 
 test: install-test

@@ -231,7 +231,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transport", choices=("mooncake", "inproc"), help="KV transport (default mooncake)")
     g.add_argument("--kv-transfer-host", help="the transport's local address (default 127.0.0.1)")
     g.add_argument("--kv-profiles", metavar="FILE",
-                   help="KVServe profile table (kvtide bench kvserve-profiles); default: lossless profiles only")
+                   help="KVServe profile table (kvtide bench kvserve-profiles); default: the one shipped for a "
+                        "bundled model, else lossless profiles only")
     g.add_argument("--kv-pacing-gbps", type=float, help="pace the prefill side's KV writes to this rate")
     g.add_argument("--kv-transfer-timeout", type=float, metavar="SECONDS",
                    help="a hand-off not complete by then is dropped and the prompt recomputed (default 30)")
@@ -244,15 +245,6 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 SERVE_CUDA_DEFAULTS = {"cuda_graphs": True}
 # on the CPU: linears through oneDNN with packed weights (one engine per server, so its extra memory is paid once)
 SERVE_CPU_DEFAULTS = {"cpu_onednn": True}
-
-def role_restore_defaults(role: str, page_size: int) -> dict[str, Any]:
-    """A P/D role's KV tier (under the file, env and flags): in memory, chunks of one page so a hand-off covers
-    all but the prompt's last partial page; the decode side loads what arrives rather than planning a recompute,
-    and keeps no copies of its own requests."""
-    if role == "prefill":
-        return {"store": "memory", "chunk_tokens": page_size, "write_on_finish": True}
-    return {"store": "memory", "chunk_tokens": page_size, "method": "load", "write_on_finish": False, "spill": False}
-
 
 # `kvtide bench NAME ...` runs NAME's main(argv): "x.py" is bench/x.py of a source checkout, a dotted name a module.
 # Each suite writes JSON (machine/versions header first) and a PNG of its headline figure; bench/tools/ holds the
@@ -267,6 +259,7 @@ BENCH_SUITES = {
     "restore-devicewise": "restore_devicewise.py",  # device-wise CacheFlow on a pipeline of shards
     "kvserve": "kvserve_controller.py",  # KVServe online controller under a bandwidth trace
     "kvserve-profiles": "kvserve_profiles.py",  # KVServe offline profiles (writes the tables kvserve reads)
+    "pd": "pd.py",  # prefill/decode hand-off JCT per method and bandwidth; the controller under a drifting link
     "faults": "faults.py",  # fault soak: injected store/backend faults, wrong outputs / stuck / crashes
     "serve": "kvtide.benchmarks.serve",  # load generator for any OpenAI-compatible server
     "serve-compare": "kvtide.benchmarks.serve_compare",  # several servers in turn under one serve bench
@@ -394,6 +387,8 @@ def _resolve(a: argparse.Namespace) -> dict[str, Any]:
     defaults = dict(SERVE_CUDA_DEFAULTS if cuda else SERVE_CPU_DEFAULTS)
     role = a.settings.server.role
     if role != "both":
+        from .server.config import role_restore_defaults
+
         defaults["restore"] = role_restore_defaults(role, a.settings.engine.cache.page_size)
     a.settings = resolve_settings(a, ServerConfig, defaults=defaults)
     a.engine_config = a.settings.engine

@@ -1,5 +1,5 @@
 """The chat part of `kvtide demo`: a scripted multi-turn chat on the bundled model, prefix reuse and continuous
-batching with numbers; then the capability sections (``compression``, ``restoration``).
+batching with numbers; then the capability sections (``compression``, ``restoration``, ``handoff``).
 """
 from __future__ import annotations
 
@@ -93,11 +93,12 @@ def run_demo(a: argparse.Namespace) -> int:
               f"pages ({hit:.0%}); {eng.stats.decode_tokens - s0} decode tokens in the batch run; speed-up from batching "
               f"{batched / single:.1f}x")
     from .compression import compression_section
+    from .handoff import handoff_section
     from .restoration import restoration_section
 
     compression_section(a, con, prompts, budget_pages=24)
     restoration_section(a, con)
-    con.print("[dim]not in this demo yet: the prefill->decode hand-off through the transfer controller (KVServe)[/]")
+    handoff_section(a, con)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -32,7 +33,7 @@ class ServerConfig:
     kv_transfer_protocol: str = "tcp"  # tcp | rdma (Mooncake)
     kv_transfer_timeout_s: float = 30.0  # a hand-off not complete by then is abandoned: the prompt is recomputed
     kv_transfer_max_bytes: int = 8 << 30  # the largest receive buffer a decode instance allocates for one request
-    kv_profiles: str | None = None  # a KVServe profile table (kvtide bench kvserve-profiles); None: lossless only
+    kv_profiles: str | None = None  # a KVServe profile table (kvtide bench kvserve-profiles); None: the bundled model's
     kv_bandwidth_guess_gbps: float = 10.0  # what the policy assumes of a peer before its first measured transfer
     kv_pacing_gbps: float | None = None  # sender-side token bucket on the transport (None: the link's own rate)
     kv_min_quality: float = 1.0  # a request's default minimum relative quality (1.0: lossless)
@@ -80,3 +81,12 @@ def _int(cfg: ServerConfig, name: str, low: int, high: int | None = None) -> Non
     if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"ServerConfig.{name} must be an integer {bound}, got {v!r}")
+
+
+def role_restore_defaults(role: str, page_size: int) -> dict[str, Any]:
+    """A P/D role's KV tier (under the file, env and flags): in memory, chunks of one page so a hand-off covers
+    all but the prompt's last partial page; the decode side loads what arrives rather than planning a recompute,
+    and keeps no copies of its own requests."""
+    if role == "prefill":
+        return {"store": "memory", "chunk_tokens": page_size, "write_on_finish": True}
+    return {"store": "memory", "chunk_tokens": page_size, "method": "load", "write_on_finish": False, "spill": False}

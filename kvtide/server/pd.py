@@ -29,7 +29,7 @@ from ..store.keys import chunk_keys
 from ..transfer.handoff import (HandoffError, LayerNotice, SendResult, capacity, check_spec, layer_capacity,
                                 receive_layers, send_layers)
 from ..transfer.pipeline import Pipeline
-from ..transfer.policy import TransferPolicy, measured_lossless, table_profiles
+from ..transfer.policy import TransferPolicy, measured_lossless, packaged_table, table_profiles
 from ..transfer.transport.base import LocalBuffer, RemoteBuffer, Transport, TransportError
 from .config import ServerConfig
 from .pd_metrics import TransferMetrics
@@ -79,10 +79,10 @@ class PrefillRole(KVRole):
 
     def __init__(self, engine: "LLMEngine", cfg: ServerConfig, transport: Transport, metrics: TransferMetrics):
         super().__init__(engine, cfg, transport, metrics)
-        if cfg.kv_profiles:
-            profiles = table_profiles(cfg.kv_profiles) + measured_lossless((256, self.kv_heads, self.head_dim))
-        else:
-            profiles = measured_lossless((256, self.kv_heads, self.head_dim))
+        table = cfg.kv_profiles or packaged_table(engine.config.model)
+        profiles = measured_lossless((256, self.kv_heads, self.head_dim))
+        if table:
+            profiles = table_profiles(str(table)) + profiles
         self.policy = TransferPolicy(profiles, gbps(cfg.kv_bandwidth_guess_gbps))
         self._staging: list[LocalBuffer] = []
         self._lock = threading.Lock()

@@ -1,7 +1,7 @@
 """The sender's choice of a compression profile per hand-off: the online controller fed by measured goodput.
 
-Profiles come from a KVServe table (``kvtide bench kvserve-profiles`` writes them) or, without one, from the
-lossless pipelines measured at start-up on KV of the model's layer shape. The bandwidth a decision assumes is the
+Profiles come from a KVServe table (``kvtide bench kvserve-profiles`` writes them; the bundled models' tables
+ship in ``data/``) plus the lossless pipelines measured at start-up on KV of the model's layer shape. The bandwidth a decision assumes is the
 EWMA goodput of recent writes to that peer (bytes over the write's own seconds, pacing included), not a nominal
 rate; before the first transfer to a peer, ``guess_bandwidth``. Each finished transfer's measured span (first encode
 to last write) is folded back into the controller's residuals.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,6 +43,12 @@ def measured_lossless(layer_shape: tuple[int, int, int], seed: int = 0) -> list[
         ratio, enc, dec = measure(spec, kv, repeats=2)
         out.append(Profile(spec, max(ratio, 1e-3), enc, dec, 1.0))
     return out
+
+
+def packaged_table(model: str) -> Path | None:
+    """The KVServe table shipped for a bundled model (its prose workload), if one ships."""
+    path = Path(__file__).resolve().parent / "data" / f"profiles_{model}.json"
+    return path if path.exists() else None
 
 
 def table_profiles(path: str) -> list[Profile]:

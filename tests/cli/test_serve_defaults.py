@@ -48,3 +48,22 @@ def test_cuda_serve_defaults_yield_to_flags_env_and_file(capsys, clean_env, monk
     f.write_text("cuda_graphs: false\n")
     assert served_config(capsys, "--config", str(f))["cuda_graphs"] is False
     assert served_config(capsys, "--device", "cpu")["cuda_graphs"] is False
+
+
+def test_pd_roles_get_a_kv_tier_of_page_chunks_below_explicit_settings(capsys, clean_env, monkeypatch):
+    cfg = served_config(capsys, "--device", "cpu")
+    assert not cfg["restore"] and cfg["server"]["role"] == "both"
+    pre = served_config(capsys, "--device", "cpu", "--role", "prefill")
+    assert pre["server"]["role"] == "prefill"
+    assert pre["restore"]["store"] == "memory" and pre["restore"]["chunk_tokens"] == pre["cache"]["page_size"]
+    assert pre["restore"]["write_on_finish"] is True
+    dec = served_config(capsys, "--device", "cpu", "--role", "decode", "--kv-transport", "inproc")
+    assert dec["restore"]["method"] == "load" and dec["restore"]["write_on_finish"] is False
+    assert dec["server"]["kv_transport"] == "inproc"
+    monkeypatch.setenv("KVTIDE_RESTORE_CHUNK_TOKENS", "64")  # an explicit setting wins over the role's default
+    assert served_config(capsys, "--device", "cpu", "--role", "decode")["restore"]["chunk_tokens"] == 64
+
+
+def test_bad_role_settings_exit_2(capsys, clean_env):
+    assert main(["serve", "--print-config", "--device", "cpu", "--role", "decode", "--kv-min-quality", "2"]) == 2
+    assert "kv_min_quality" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import pytest
 
 from kvtide import SamplingParams
 from kvtide.benchmarks.procs import free_port
-from kvtide.cli import role_restore_defaults
+from kvtide.server.config import role_restore_defaults
 from kvtide.config import RestoreConfig
 from kvtide.engine.llm import LLM
 from kvtide.server.app import build_app
