@@ -85,7 +85,7 @@ class Cluster:
             common += extra.split()
         pacing = ["--kv-pacing-gbps", "100"] if a.link == "pace" else []
         roles = [["--role", "prefill", *pacing, "--kv-profiles", str(a.profiles)],
-                 ["--role", "decode", "--kv-transfer-timeout", "600"]]
+                 ["--role", "decode", "--kv-transfer-timeout", "600", "--kv-accept-lossy"]]
         for port, url, log, role in zip(self.ports, self.urls, self.logs, roles):
             cmd = [sys.executable, "-m", "kvtide.cli", "serve", *common, "--port", str(port), "--advertise-url", url,
                    *role]

@@ -29,6 +29,7 @@ SERVER_FLAGS: dict[str, str] = {
     "role": "role", "advertise_url": "advertise_url", "kv_transport": "kv_transport",
     "kv_transfer_host": "kv_transfer_host", "kv_profiles": "kv_profiles", "kv_pacing_gbps": "kv_pacing_gbps",
     "kv_transfer_timeout": "kv_transfer_timeout_s", "kv_min_quality": "kv_min_quality",
+    "kv_accept_lossy": "kv_accept_lossy",
 }
 
 
@@ -238,6 +239,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="a hand-off not complete by then is dropped and the prompt recomputed (default 30)")
     g.add_argument("--kv-min-quality", type=float,
                    help="default minimum relative quality of a hand-off (default 1.0: lossless)")
+    g.add_argument("--kv-accept-lossy", action="store_true", default=None,
+                   help="decode: take lossy hand-offs (their KV is then cached and reused like any other)")
 
 
 # `kvtide serve` on CUDA: decode steps as CUDA graphs (async scheduling is on there already). Compression stays

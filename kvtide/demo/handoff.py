@@ -53,7 +53,8 @@ def _run(a: argparse.Namespace, con: Any) -> None:
     urls = {role: f"http://127.0.0.1:{p}" for role, p in ports.items()}
     link = PacedTransport(InProcTransport(), LINK_BYTES_PER_S)
     apps = {role: build_app(llm, ServerConfig(port=ports[role], role=role, kv_transport="inproc",
-                                              advertise_url=urls[role], log_stats_interval_s=0),
+                                              advertise_url=urls[role], log_stats_interval_s=0,
+                                              kv_accept_lossy=True),
                             transport=link if role == "prefill" else InProcTransport())
             for role, llm in engines.items()}
     tok = engines["decode"].tokenizer

@@ -37,6 +37,9 @@ class ServerConfig:
     kv_bandwidth_guess_gbps: float = 10.0  # what the policy assumes of a peer before its first measured transfer
     kv_pacing_gbps: float | None = None  # sender-side token bucket on the transport (None: the link's own rate)
     kv_min_quality: float = 1.0  # a request's default minimum relative quality (1.0: lossless)
+    # a decode instance takes lossy hand-offs only when told: their KV then enters its cache like any other, so
+    # later requests sharing the prefix reuse it (a deployment's choice); otherwise every hand-off is lossless
+    kv_accept_lossy: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -67,6 +70,8 @@ class ServerConfig:
         v = self.kv_pacing_gbps
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
             raise ValueError(f"ServerConfig.kv_pacing_gbps must be None or a finite number > 0, got {v!r}")
+        if not isinstance(self.kv_accept_lossy, bool):
+            raise ValueError(f"ServerConfig.kv_accept_lossy must be true or false, got {self.kv_accept_lossy!r}")
         v = self.kv_min_quality
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
             raise ValueError(f"ServerConfig.kv_min_quality must be a number in [0, 1], got {v!r}")

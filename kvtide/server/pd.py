@@ -220,11 +220,16 @@ class DecodeRole(KVRole):
         n = self.cached_span(ids)
         if n == 0:
             return {"used": False, "reason": "short"}
+        note = None
+        if min_quality < 1.0 and not self.cfg.kv_accept_lossy:
+            # lossy KV would be cached and reused by requests that asked for none of it: lossless instead
+            min_quality, note = 1.0, "this instance takes lossless hand-offs only (kv_accept_lossy is off)"
         t0 = time.perf_counter()
         try:
             url = params["remote_url"].rstrip("/") + PULL_PATH
-            return await asyncio.wait_for(self._pull(url, ids, n, min_quality, slo, profile, t0),
-                                          timeout=self.cfg.kv_transfer_timeout_s)
+            out = await asyncio.wait_for(self._pull(url, ids, n, min_quality, slo, profile, t0),
+                                         timeout=self.cfg.kv_transfer_timeout_s)
+            return {**out, "note": note} if note else out
         except HandoffError as e:
             reason = e.reason
             msg = str(e)

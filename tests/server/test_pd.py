@@ -75,7 +75,7 @@ class Cluster:
 def reference():
     llm = _engine(None)
     greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    prompts = [*PROMPTS, KILLED, KILLED.replace("Later", "Then"), *(p for v in VARIANTS.values() for p in v)]
+    prompts = [*PROMPTS, KILLED, KILLED.replace("Later", "Then"), KILLED.replace("Later", "Next"), *(p for v in VARIANTS.values() for p in v)]
     return {p: o.text for p, o in zip(prompts, llm.generate(prompts, greedy))}
 
 
@@ -87,7 +87,7 @@ def cluster():
     pre_cfg = ServerConfig(port=ports[0], role="prefill", kv_transport="inproc", advertise_url=urls[0],
                            kv_transfer_timeout_s=10, log_stats_interval_s=0, kv_profiles=str(TABLE))
     dec_cfg = ServerConfig(port=ports[1], role="decode", kv_transport="inproc", kv_transfer_timeout_s=10,
-                           log_stats_interval_s=0)
+                           log_stats_interval_s=0, kv_accept_lossy=True)
     pre_app = build_app(pre_llm, pre_cfg, transport=InProcTransport())
     dec_app = build_app(dec_llm, dec_cfg, transport=InProcTransport())
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the proxy must route around it
@@ -135,6 +135,17 @@ def test_lossy_profile_records_its_quality(cluster):
     assert kv["used"] and 0.9 < kv["quality"] < 1.0 and kv["profile"] == KIVI, kv
     assert kv["wire_bytes"] < kv["raw_bytes"]
     assert body["usage"]["completion_tokens"] == TOKENS
+
+
+def test_a_decode_instance_not_taking_lossy_kv_gets_lossless(cluster, reference):
+    cluster.decode.cfg.kv_accept_lossy = False
+    try:
+        body = cluster.complete(KILLED.replace("Later", "Next"), kv_transfer={"min_quality": 0.9})
+    finally:
+        cluster.decode.cfg.kv_accept_lossy = True
+    kv = body["kv_transfer"]
+    assert kv["used"] and kv["quality"] == 1.0 and kv["spec"] in LOSSLESS and "lossless" in kv["note"], kv
+    assert body["choices"][0]["text"] == reference[KILLED.replace("Later", "Next")]
 
 
 def test_lossy_profile_refused_for_a_lossless_request(cluster, reference):
