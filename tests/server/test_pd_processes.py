@@ -48,7 +48,7 @@ def pd(tmp_path_factory):
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     logs = [open(d / f"{name}.log", "w") for name in ("prefill", "decode")]
     procs = [_serve("prefill", ports[0], logs[0], ["--kv-pacing-gbps", str(PACING_GBPS)]),
-             _serve("decode", ports[1], logs[1], ["--kv-transfer-timeout", "20"])]
+             _serve("decode", ports[1], logs[1], ["--kv-transfer-timeout", "20", "--kv-accept-lossy"])]
     try:
         for p, u, name in zip(procs, urls, ("prefill", "decode")):
             wait_ready(p, u, 180, d / f"{name}.log")
@@ -83,18 +83,35 @@ def _metric(url: str, name: str, label: str = "") -> float:
                if line.startswith(name) and line[len(name)] in " {" and label in line)
 
 
+LOSSLESS = ["none|none|none", "none|none|zstd", "none|none|zipf"]
+
+
 def test_tokens_through_the_proxy_equal_the_engines_own(pd):
-    for prompt in PROMPTS:
+    for i, prompt in enumerate(PROMPTS):
         want = _complete(pd["prefill"], prompt)["choices"][0]["text"]  # the same engine and flags, one instance
-        body = _complete(pd["proxy"], prompt)
+        body = _complete(pd["proxy"], prompt)  # the controller's choice (lossless by default)
         assert body["choices"][0]["text"] == want
         kv = body["kv_transfer"]
         assert kv["used"] and kv["quality"] == 1.0, kv
+    for i, spec in enumerate(LOSSLESS):  # every lossless profile, named (fresh prompts: no cache holds them)
+        prompt = f"Case {i}. " + PROMPTS[i % len(PROMPTS)]
+        want = _complete(pd["prefill"], prompt)["choices"][0]["text"]
+        body = _complete(pd["proxy"], f"Case {i}. " + PROMPTS[i % len(PROMPTS)], kv_transfer={"profile": spec})
+        assert body["choices"][0]["text"] == want, spec
+        assert body["kv_transfer"]["used"] and body["kv_transfer"]["spec"] == spec
     assert _metric(pd["decode"], "kvtide:kv_transfer_tokens_total") > 0
     assert _metric(pd["decode"], "kvtide:kv_transfer_fallbacks_total") == 0
     assert _metric(pd["decode"], "kvtide:external_prefix_cache_hits_total") == \
         _metric(pd["decode"], "kvtide:kv_transfer_tokens_total")  # the prompts came from the hand-offs
     assert _metric(pd["prefill"], "kvtide:kv_transfer_bytes_total", 'direction="sent"') > 0
+
+
+def test_a_lossy_profile_finishes_with_its_quality(pd):
+    body = _complete(pd["proxy"], "Lossy. " + LONG,
+                     kv_transfer={"min_quality": 0.9, "profile": "none|kivi:k=2,v=2,g=32|pack"})
+    kv = body["kv_transfer"]
+    assert kv["used"] and 0.9 <= kv["quality"] < 1.0 and kv["wire_bytes"] < kv["raw_bytes"], kv
+    assert body["usage"]["completion_tokens"] == TOKENS
 
 
 def test_prefill_killed_midway_recomputes(pd):
