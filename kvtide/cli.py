@@ -264,6 +264,7 @@ BENCH_SUITES = {
     "kvserve-profiles": "kvserve_profiles.py",  # KVServe offline profiles (writes the tables kvserve reads)
     "pd": "pd.py",  # prefill/decode hand-off JCT per method and bandwidth; the controller under a drifting link
     "faults": "faults.py",  # fault soak: injected store/backend faults, wrong outputs / stuck / crashes
+    "vllm-connector": "vllm_connector.py",  # CPU: vLLM's TTFT with kvtide's KV connector, recompute, ExampleConnector
     "serve": "kvtide.benchmarks.serve",  # load generator for any OpenAI-compatible server
     "serve-compare": "kvtide.benchmarks.serve_compare",  # several servers in turn under one serve bench
     "serve-soak": "kvtide.benchmarks.serve_soak",  # kvtide serve under load with hostile requests mixed in

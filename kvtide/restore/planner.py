@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from kvtide.restore.costs import (
     AnalyticReplayTime,
@@ -396,82 +398,351 @@ def _solve_fast(st: _Setup, f: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ the DP
 
+_CUT = 1e-10  # the DP keeps only states that can beat the incumbent by more than this fraction of it
+_COLLINEAR = 1e-13  # a grid point this close (relative to the item's largest cost) to a hull edge lies on it
+_BLOCK = 1 << 21  # elements per block of a min-plus product (16 MiB)
+_SPARSE = 0.25  # leaves with fewer states per unit than this are added one item at a time
+
 
 def _solve_dp(st: _Setup, f: np.ndarray, fN: np.ndarray, max_work: int) -> tuple[np.ndarray, float]:
     """The paper's DP over all (request, block) items; returns grid indices [request, block] (each row
-    non-increasing) and the bound."""
+    non-increasing) and the bound. Requests of one prefix length share a type; the exact tables, their pruning
+    and the reconstruction are in ``_Units``."""
     L, C, s = st.L, st.C, st.s
     tau = int(np.gcd.reduce(np.concatenate([[C], st.N])))
-    # Per request: grid points (tokens), their recompute cost and exact avoided bytes a(j) = d(0) - d(j).
-    grids: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for r, n in enumerate(st.N.tolist()):
-        if n == 0:
-            grids.append((np.zeros(1, np.int64), np.zeros(1), np.zeros(1)))
-            continue
+    types: dict[int, list[int]] = {}  # prefix length -> its requests; N = 0 has nothing to choose
+    for r, n in enumerate(st.Nl):
+        if n:
+            types.setdefault(n, []).append(r)
+    out = np.zeros((len(st.Nl), L), dtype=np.int64)
+    if not types:
+        return out, 0.0
+    # Per type: recompute cost and exact avoided bytes a(j) = d(0) - d(j) at the grid points min(k C, N).
+    costs, avoided = [], []
+    for n, rs in types.items():
         kk = -(-n // C)
-        tok = np.minimum(np.arange(kk + 1, dtype=np.int64) * C, n)
         cost = f[: kk + 1].copy()
-        cost[-1] = fN[r]
-        avoided = s * tok.astype(np.float64)
-        avoided[-1] += st.R
-        grids.append((tok, cost, avoided))
+        cost[-1] = fN[rs[0]]
+        a = s * np.minimum(np.arange(kk + 1, dtype=np.int64) * C, n).astype(np.float64)
+        a[-1] += st.R
+        costs.append(cost)
+        avoided.append(a)
+    mult = [L * len(rs) for rs in types.values()]
 
-    def units_for(unit_bytes: float) -> list[np.ndarray]:
-        return [np.rint(a / unit_bytes).astype(np.int64) for (_, _, a) in grids]
-
-    def work(us: list[np.ndarray]) -> int:
-        total, length = 0, 1
-        for u in us:
-            for _ in range(L):
-                total += length * len(u)
-                length += int(u.max())
-        return total
-
-    # Exact units first; coarser whole-chunk units only when the DP would be too slow (bound accounts for it).
-    top = max(int(st.N.max()), C)
-    for unit_tokens in [tau] + [C << i for i in range(48) if (C << i) <= 2 * top]:
-        us = units_for(s * unit_tokens)
-        if work(us) <= max_work:
+    # Exact units first; coarser whole-chunk units only when even the pruned DP would be too slow (the bound
+    # accounts for it).
+    top = max(max(types), C)
+    units = sorted({tau, *(C << i for i in range(48) if (C << i) <= 2 * top)})
+    for i, unit_tokens in enumerate(units):
+        unit_bytes = s * unit_tokens
+        us = [np.rint(a / unit_bytes).astype(np.int64) for a in avoided]
+        picks = _Units(st, costs, us, mult, unit_bytes).solve(max_work if i < len(units) - 1 else sys.maxsize)
+        if picks is not None:
             break
-    unit_bytes = s * unit_tokens
 
     bound = 0.0
-    for (tok, cost, a), u in zip(grids, us):
+    for a, u, rs in zip(avoided, us, types.values()):
         e = u * unit_bytes - a
         e[np.abs(e) <= 1e-9 * float(a.max(initial=s))] = 0.0  # float noise of s*j, not a model rounding
-        bound += L * (max(float(e.max()), 0.0) + max(float(-e.min()), 0.0)) / st.B
+        bound += len(rs) * L * (max(float(e.max()), 0.0) + max(float(-e.min()), 0.0)) / st.B
 
-    D = np.zeros(1)
-    X = np.zeros(1)  # exact avoided bytes of the plan that D holds
-    choice_tables: list[np.ndarray] = []
-    item_req: list[int] = []
-    for r, ((tok, cost, a), u) in enumerate(zip(grids, us)):
-        for _ in range(L):
-            n_old = D.size
-            n_new = n_old + int(u.max())
-            Dn = np.full(n_new, np.inf)
-            Xn = np.full(n_new, -np.inf)
-            ch = np.full(n_new, -1, dtype=np.int32)
-            for idx in range(len(u)):
-                off = int(u[idx])
-                cand = D + cost[idx]
-                cx = X + a[idx]
-                sl = slice(off, off + n_old)
-                cur, curx = Dn[sl], Xn[sl]
-                better = (cand < cur) | ((cand == cur) & (cx > curx))
-                cur[better] = cand[better]
-                curx[better] = cx[better]
-                ch[sl][better] = idx
-            D, X = Dn, Xn
-            choice_tables.append(ch)
-            item_req.append(r)
-    finite = np.isfinite(D)
-    T = np.where(finite, np.maximum(D + st.c1, (st.A0 - X) / st.B + st.c2), np.inf)
-    x = int(np.argmin(T))
-    counts: list[list[int]] = [[] for _ in grids]
-    for ch, r in zip(reversed(choice_tables), reversed(item_req)):
-        idx = int(ch[x])
-        counts[r].append(idx)
-        x -= int(us[r][idx])
-    assert x == 0
-    return -np.sort(-np.array(counts, dtype=np.int64).reshape(len(grids), L), axis=1), bound
+    # Any split of a type's picks among its (identical) requests has the same cost: deal them out in turn.
+    for rs, k in zip(types.values(), picks):
+        k = -np.sort(-k)
+        for i, r in enumerate(rs):
+            out[r] = k[i :: len(rs)]
+    return out, bound
+
+
+@dataclass(eq=False)
+class _Node:
+    """D[x], the least recompute of ``counts`` items (per type) that avoid exactly lo + i units, for x in the band
+    [lo, lo + len(vals)); a leaf is one item of type ``typ``, a product node the min-plus product of ``kids``."""
+
+    counts: np.ndarray
+    kids: tuple["_Node", "_Node"] | None = None
+    typ: int = -1
+    window: tuple[int, int] | None = None  # the x that can hold part of a plan that beats the incumbent
+    lo: int = 0
+    vals: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    queries: list[np.ndarray] = field(default_factory=list)
+
+
+class _Units:
+    """The DP's problem in whole units of avoided transfer, solved exactly with few states.
+
+    Items of a type (one prefix length) are identical, so a type's table is the min-plus power of one item's,
+    built by repeated squaring; the types' tables are then multiplied together. The incumbent is the best plan
+    with every item on its lower convex hull (all items walk their hulls together, one item one segment at a
+    time in slope order). A table keeps only the states x that can still beat it: D[x] plus a lower bound on
+    the other items' least recompute, for the units they must still avoid, within the incumbent. The bound is
+    the other items' convex minorant (their hull segments merged by slope), so with a convex F nothing beats
+    the incumbent and the tables stay empty, and otherwise they stay near the balance point. Ties between
+    identical items (moving units from one to another at the same cost) are cut by windows (``__init__``).
+    What is pruned could beat the incumbent by at most ``_CUT`` of it: the result is the optimum up to that.
+    """
+
+    def __init__(self, st: _Setup, costs: list[np.ndarray], units: list[np.ndarray], mult: list[int],
+                 unit_bytes: float) -> None:
+        self.c1, self.c2, self.A0, self.B, self.unit = st.c1, st.c2, st.A0, st.B, unit_bytes
+        self.M = np.array(mult, dtype=np.float64)
+        self.leaf_vals: list[np.ndarray] = []
+        self.kmap: list[np.ndarray] = []
+        self.knots: list[list[int]] = []  # per type, the units of its hull knots in order
+        dx: list[float] = []
+        dp: list[float] = []
+        key: list[float] = []
+        typ: list[int] = []
+        slack = 0.0  # most the merged hulls can lie above the true minorant (collinear knots)
+        for t, (g, u) in enumerate(zip(costs, units)):
+            pu, pg, pk = _collapse(u.tolist(), g.tolist())
+            vals = np.full(pu[-1] + 1, np.inf)
+            vals[pu] = pg
+            kmap = np.full(pu[-1] + 1, -1, dtype=np.int64)
+            kmap[pu] = pk
+            self.leaf_vals.append(vals)
+            self.kmap.append(kmap)
+            tol = _COLLINEAR * pg[-1]
+            slack += mult[t] * tol
+            hx, hy, hk = _hull_knots(pu, pg, tol)
+            self.knots.append(hx)
+            dx += [b - a for a, b in zip(hx, hx[1:])]
+            dp += [b - a for a, b in zip(hy, hy[1:])]
+            key += hk
+            typ += [t] * (len(hx) - 1)
+        order = np.argsort(np.array(key), kind="stable")  # a type's segments keep their order on equal keys
+        self.dx, self.dp = np.array(dx, dtype=np.float64)[order], np.array(dp)[order]
+        self.typ = np.array(typ, dtype=np.int64)[order]
+        # The incumbent: the best prefix of the walk along the hulls (one item one segment at a time).
+        m = self.M[self.typ].astype(np.int64)
+        x = np.concatenate(([0.0], np.cumsum(np.repeat(self.dx, m))))
+        p = np.concatenate(([0.0], np.cumsum(np.repeat(self.dp, m))))
+        T = np.maximum(p + self.c1, (self.A0 - self.unit * x) / self.B + self.c2)
+        self.steps, self.ends = int(T.argmin()), np.cumsum(m)
+        self.T_inc = float(T[self.steps])
+        self.U = self.T_inc * (1.0 - _CUT) + slack  # what a state's bound must not exceed
+        self.xneed = (self.A0 - self.B * (self.U - self.c2)) / self.unit  # least units of a plan within U
+
+        # The tables: per type, powers of its leaf by squaring, multiplied along the bits of its count; then the
+        # types' results one after another. On a unit much finer than a chunk a leaf holds few states in a wide
+        # table, and a product of two wide tables costs more than adding the items one at a time (the paper's
+        # order, one shifted min per grid point): then one chain over every item. ``order`` lists children
+        # before parents.
+        self.order: list[_Node] = []
+        root: _Node | None = None
+        states = sum(int(np.count_nonzero(v < np.inf)) for v in self.leaf_vals)
+        chain = states < _SPARSE * sum(v.size for v in self.leaf_vals)
+        for t, mt in enumerate(mult):
+            cnt = np.zeros(len(mult))
+            cnt[t] = 1.0
+            p2 = self._node(cnt, typ=t)
+            if chain:
+                for _ in range(mt):
+                    root = p2 if root is None else self._node(root.counts + cnt, (root, p2))
+                continue
+            res: _Node | None = None
+            while True:
+                if mt & 1:
+                    res = p2 if res is None else self._node(res.counts + p2.counts, (res, p2))
+                mt >>= 1
+                if not mt:
+                    break
+                p2 = self._node(2.0 * p2.counts, (p2, p2))
+            assert res is not None
+            root = res if root is None else self._node(root.counts + res.counts, (root, res))
+        assert root is not None
+        self.root = root
+        # Windows, parents first. The root, and each table under a product across types, lies where the hull
+        # bound stays within U (``_band``). Inside a type, items are identical: sorting a node's picks and
+        # cutting out a run of consecutive ones gives a child whose total is within half an item's range (umax)
+        # of its share of the node's (the runs' sums move by at most umax a step, from above the share to below
+        # it), and recursing from the top gives every node such a total at once. So some optimal plan has, at
+        # each node, a total within its share of the parent's window widened by umax / 2.
+        self.root.window = self._band(self.root.counts)
+        for nd in reversed(self.order):
+            if nd.kids is None:
+                continue
+            assert nd.window is not None
+            t = int(nd.counts.argmax())
+            one_type = np.count_nonzero(nd.counts) == 1
+            half = 0.5 * (self.leaf_vals[t].size - 1)
+            for kid in nd.kids:
+                if one_type:
+                    share = kid.counts[t] / nd.counts[t]
+                    w = (int(np.floor(share * nd.window[0] - half)), int(np.ceil(share * nd.window[1] + half)))
+                else:
+                    w = self._band(kid.counts)
+                kid.window = w if kid.window is None else (min(kid.window[0], w[0]), max(kid.window[1], w[1]))
+
+    def _band(self, counts: np.ndarray) -> tuple[int, int]:
+        """The integer totals x of ``counts`` items where the bound on the hulls alone stays within U."""
+        xn, pn = self._curve(counts)
+        xc, pc = self._curve(self.M - counts)
+        lo_d, hi_d = max(0.0, self.xneed - xc[-1]), xn[-1]
+        if lo_d > hi_d:
+            return 0, -1
+        # phi(x) = hull(x) + hull_other(max(0, xneed - x)) + c1 is convex and piecewise linear: its level set
+        # {phi <= U} is an interval, found from phi at the knots of both pieces
+        b = np.unique(np.clip(np.concatenate((xn, self.xneed - xc, [lo_d, hi_d])), lo_d, hi_d))
+        phi = np.interp(b, xn, pn) + np.interp(np.maximum(self.xneed - b, 0.0), xc, pc) + self.c1
+        ok = np.flatnonzero(phi <= self.U)
+        if ok.size == 0:
+            return 0, -1
+        i0, i1 = int(ok[0]), int(ok[-1])
+        xl, xr = float(b[i0]), float(b[i1])
+        if i0 > 0:
+            xl -= (b[i0] - b[i0 - 1]) * (self.U - phi[i0]) / (phi[i0 - 1] - phi[i0])
+        if i1 < b.size - 1:
+            xr += (b[i1 + 1] - b[i1]) * (self.U - phi[i1]) / (phi[i1 + 1] - phi[i1])
+        return max(int(np.floor(xl)) - 1, 0), min(int(np.ceil(xr)) + 1, int(hi_d))
+
+    def _curve(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Convex minorant of ``counts`` items' least recompute: knots (units, seconds)."""
+        m = counts[self.typ]
+        keep = m > 0
+        x = np.concatenate(([0.0], np.cumsum(self.dx[keep] * m[keep])))
+        p = np.concatenate(([0.0], np.cumsum(self.dp[keep] * m[keep])))
+        return x, p
+
+    def _node(self, counts: np.ndarray, kids: tuple[_Node, _Node] | None = None, typ: int = -1) -> _Node:
+        """A new table, after its children in ``order``."""
+        nd = _Node(counts=counts, kids=kids, typ=typ)
+        self.order.append(nd)
+        return nd
+
+    def solve(self, max_work: int) -> list[np.ndarray] | None:
+        """Build the tables, each trimmed to the states that can still beat the incumbent; if the root holds a
+        plan better than the incumbent, trace the best back, else take the incumbent. Per type, its items' grid
+        indices (any order); None once the products' work passes ``max_work`` (the caller coarsens the unit)."""
+        work = 0
+        for nd in self.order:
+            if nd.kids is None:
+                vals, lo = self.leaf_vals[nd.typ], 0
+            else:
+                a, b = nd.kids
+                if not (a.vals.size and b.vals.size):
+                    continue
+                (vals, ops), lo = _minplus(a.vals, b.vals), a.lo + b.lo
+                work += ops
+                if work > max_work:
+                    return None
+            assert nd.window is not None
+            w0, w1 = max(nd.window[0], lo), min(nd.window[1], lo + vals.size - 1)
+            if w0 > w1:
+                continue
+            vals, lo = vals[w0 - lo : w1 + 1 - lo], w0
+            xc, pc = self._curve(self.M - nd.counts)  # the other items' lower bound
+            y = np.maximum(np.ceil(self.xneed - (lo + _frange(vals.size))), 0.0)
+            keep = np.flatnonzero((vals + np.interp(y, xc, pc) + self.c1 <= self.U) & (y <= xc[-1]))
+            if keep.size:
+                nd.lo, nd.vals = lo + int(keep[0]), vals[keep[0] : keep[-1] + 1]
+
+        r = self.root
+        if r.vals.size:
+            T = np.maximum(r.vals + self.c1, (self.A0 - self.unit * (r.lo + _frange(r.vals.size))) / self.B + self.c2)
+            best = int(T.argmin())
+            if T[best] < self.T_inc:
+                return self._trace(r.lo + best)
+        return self._incumbent()
+
+    def _trace(self, x: int) -> list[np.ndarray]:
+        """Grid indices per type of the root's plan at x: each product's split, recomputed where it is read."""
+        self.root.queries = [np.array([x], dtype=np.int64)]
+        picks: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * len(self.leaf_vals)
+        for nd in reversed(self.order):  # parents before children
+            if not nd.queries:
+                continue
+            xs = np.concatenate(nd.queries)
+            if nd.kids is None:
+                picks[nd.typ] = self.kmap[nd.typ][xs]
+                continue
+            a, b = nd.kids
+            j = (xs - a.lo - b.lo)[:, None] - np.arange(a.vals.size)  # b's index for each of a's
+            inside = (j >= 0) & (j < b.vals.size)
+            tot = np.where(inside, a.vals + b.vals.take(np.clip(j, 0, b.vals.size - 1)), np.inf)
+            x1 = a.lo + tot.argmin(1)
+            a.queries.append(x1)
+            b.queries.append(xs - x1)
+        return picks
+
+    def _incumbent(self) -> list[np.ndarray]:
+        """Grid indices per type of the incumbent: the walk's first ``steps`` moves done."""
+        done = int(self.ends.searchsorted(self.steps, side="right"))  # segments every item of its type passed
+        part = self.steps - (int(self.ends[done - 1]) if done else 0)  # items past the next segment
+        picks = []
+        for t, kn in enumerate(self.knots):
+            f = int(np.count_nonzero(self.typ[:done] == t))
+            p = part if done < self.typ.size and self.typ[done] == t else 0
+            at = [kn[f]] * (int(self.M[t]) - p) + ([kn[f + 1]] * p if p else [])
+            picks.append(self.kmap[t][np.array(at, dtype=np.int64)])
+        return picks
+
+
+def _collapse(u: list[int], g: list[float]) -> tuple[list[int], list[float], list[int]]:
+    """One item's choices by unit: the cheapest grid index at each (g is nondecreasing in the index; on a tie,
+    the later index, which avoids more)."""
+    pu: list[int] = []
+    pg: list[float] = []
+    pk: list[int] = []
+    for k, (x, c) in enumerate(zip(u, g)):
+        if pu and x == pu[-1]:
+            if c <= pg[-1]:
+                pg[-1], pk[-1] = c, k
+            continue
+        pu.append(x)
+        pg.append(c)
+        pk.append(k)
+    return pu, pg, pk
+
+
+def _hull_knots(x: list[int], y: list[float], tol: float) -> tuple[list[int], list[float], list[float]]:
+    """Knots of the lower convex hull of points with increasing x: its vertices (a point within ``tol`` of an
+    edge is not one) and the points on its edges (within ``tol``), and per segment between knots its edge's
+    slope, shared by the segments of one edge (the merge order of the hulls)."""
+    vx, vy, vi = [x[0]], [y[0]], [0]
+    for i in range(1, len(x)):
+        a, b = x[i], y[i]
+        while len(vx) >= 2 and (vy[-1] - vy[-2]) * (a - vx[-2]) >= (b - vy[-2]) * (vx[-1] - vx[-2]) - tol * (a - vx[-2]):
+            vx.pop()
+            vy.pop()
+            vi.pop()
+        vx.append(a)
+        vy.append(b)
+        vi.append(i)
+    kx, ky, key = [x[0]], [y[0]], []
+    for (i0, x0, y0), (i1, x1, y1) in zip(zip(vi, vx, vy), zip(vi[1:], vx[1:], vy[1:])):
+        slope = (y1 - y0) / (x1 - x0)
+        for i in range(i0 + 1, i1 + 1):
+            if i == i1 or y[i] <= y0 + slope * (x[i] - x0) + tol:
+                kx.append(x[i])
+                ky.append(y[i])
+                key.append(slope)
+    return kx, ky, key
+
+
+def _minplus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+    """c[k] = min_i a[i] + b[k - i] (inf: no state), and the element operations it took. Dense: row i of a
+    skewed block holds a[i] + b shifted by i, so one min down the columns gives c. When one side has few states
+    (a leaf on a fine unit: its grid points only), one shifted min per state instead."""
+    out = np.full(a.size + b.size - 1, np.inf)
+    fa, fb = np.flatnonzero(a < np.inf), np.flatnonzero(b < np.inf)
+    if fa.size > fb.size:
+        a, b, fa, fb = b, a, fb, fa
+    dense = min(a.size, b.size) * (a.size + b.size)
+    if fa.size * (b.size + 1000) < dense:
+        for i, v in zip(fa.tolist(), a[fa].tolist()):
+            seg = out[i : i + b.size]
+            np.minimum(seg, v + b, out=seg)
+        return out, fa.size * b.size
+    if a.size > b.size:
+        a, b = b, a
+    wb = b.size
+    rows = max(1, _BLOCK // (a.size + wb))
+    for i0 in range(0, a.size, rows):
+        blk = a[i0 : i0 + rows]
+        w = blk.size + wb  # one spare column, so that row i starts at column i
+        Z = np.full((blk.size, w), np.inf)
+        np.add(blk[:, None], b, out=as_strided(Z, shape=(blk.size, wb), strides=((w + 1) * Z.itemsize, Z.itemsize)))
+        seg = out[i0 : i0 + w - 1]
+        np.minimum(seg, Z.min(0)[: w - 1], out=seg)
+    return out, dense

@@ -43,10 +43,10 @@ def test_demo_runs_and_reports_numbers():
     r = kvtide("demo", "--turns", "2", "--max-tokens", "6")
     assert r.returncode == 0, r.stderr
     for needle in ("multi-turn chat", "reused tok", "TTFT", "continuous batching", "prefix cache:",
-                   "prefill -> decode hand-off", "controller, lossless", "recomputed; JCT"):
+                   "prefill -> decode hand-off", "lossless: profile", "recomputed; JCT"):
         assert needle in r.stdout, needle
     # the lossless hand-offs give the single instance's reply
-    rows = [line for line in r.stdout.splitlines() if "BF16 (no compression)" in line or "controller, lossless" in line]
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("│ BF16 ", "│ lossless "))]
     assert len(rows) == 2 and all(row.rstrip(" │|").endswith("yes") for row in rows), rows
 
 
