@@ -460,7 +460,7 @@ class _Node:
     [lo, lo + len(vals)); a leaf is one item of type ``typ``, a product node the min-plus product of ``kids``."""
 
     counts: np.ndarray
-    kids: tuple["_Node", "_Node"] | None = None
+    kids: tuple[_Node, _Node] | None = None
     typ: int = -1
     window: tuple[int, int] | None = None  # the x that can hold part of a plan that beats the incumbent
     lo: int = 0
@@ -506,8 +506,8 @@ class _Units:
             slack += mult[t] * tol
             hx, hy, hk = _hull_knots(pu, pg, tol)
             self.knots.append(hx)
-            dx += [b - a for a, b in zip(hx, hx[1:])]
-            dp += [b - a for a, b in zip(hy, hy[1:])]
+            dx += [b - a for a, b in itertools.pairwise(hx)]
+            dp += [b - a for a, b in itertools.pairwise(hy)]
             key += hk
             typ += [t] * (len(hx) - 1)
         order = np.argsort(np.array(key), kind="stable")  # a type's segments keep their order on equal keys
@@ -702,7 +702,9 @@ def _hull_knots(x: list[int], y: list[float], tol: float) -> tuple[list[int], li
     vx, vy, vi = [x[0]], [y[0]], [0]
     for i in range(1, len(x)):
         a, b = x[i], y[i]
-        while len(vx) >= 2 and (vy[-1] - vy[-2]) * (a - vx[-2]) >= (b - vy[-2]) * (vx[-1] - vx[-2]) - tol * (a - vx[-2]):
+        # pop the last vertex while it lies above, or within tol below, the chord to the new point
+        while len(vx) >= 2 and ((vy[-1] - vy[-2]) * (a - vx[-2])
+                                >= (b - vy[-2]) * (vx[-1] - vx[-2]) - tol * (a - vx[-2])):
             vx.pop()
             vy.pop()
             vi.pop()
@@ -710,7 +712,7 @@ def _hull_knots(x: list[int], y: list[float], tol: float) -> tuple[list[int], li
         vy.append(b)
         vi.append(i)
     kx, ky, key = [x[0]], [y[0]], []
-    for (i0, x0, y0), (i1, x1, y1) in zip(zip(vi, vx, vy), zip(vi[1:], vx[1:], vy[1:])):
+    for (i0, x0, y0), (i1, x1, y1) in itertools.pairwise(zip(vi, vx, vy)):
         slope = (y1 - y0) / (x1 - x0)
         for i in range(i0 + 1, i1 + 1):
             if i == i1 or y[i] <= y0 + slope * (x[i] - x0) + tol:

@@ -268,7 +268,7 @@ def test_dp_is_exact_at_the_issue_shape(kind: str, gbps: int) -> None:
 def test_dp_is_fast_at_the_issue_shape() -> None:
     """The issue's shape with an F that is not convex: the DP's median over a few calls. The goal (5 ms on two
     quiet cores) is what bench/tools/planner_speed.py records; this bound is loose for a loaded machine, and
-    the DP before the pruned tables took about 60 ms here."""
+    the item-by-item DP took 75-90 ms here (and had to coarsen)."""
     cost = BlockCost(32, 131072.0, 0.0, table_F(issue_F("bumps", 16384 + 64)))
     reqs = [RestoreRequest(16384, 64)] * 8
     times = []
