@@ -15,7 +15,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "gpu": ("triton", "flashinfer"),
     "transfer": ("botorch", "gpytorch", "constriction", "zstandard", "lz4"),
     "redis": ("redis",),
-    "serve": ("fastapi", "uvicorn", "prometheus_client", "starlette", "anyio"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "starlette", "anyio", "httpx"),
     "bench": ("matplotlib", "httpx"),
     "hf": ("transformers", "accelerate"),
     "pd": ("mooncake",),  # the Mooncake Transfer Engine (also needs apt-get install libibverbs1)
