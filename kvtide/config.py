@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")  # the password of a user:password@ URL
+
+
+def redact_url(value: str) -> str:
+    """``value`` with the password of any ``scheme://user:password@`` in it replaced by ``***``."""
+    return URL_PASSWORD.sub(r"\1***@", value)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -154,6 +162,11 @@ class RestoreConfig:
     secret: str | None = field(default=None, repr=False)
     namespace: str | None = None
     store_token_ids: bool = True
+
+    def __repr__(self) -> str:  # logs and errors print configs: a store URL's password stays out of them
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+        shown["store"] = redact_url(self.store)
+        return "RestoreConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     def __post_init__(self) -> None:
         from .store.factory import check_spec

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import CacheConfig, EngineConfig, RestoreConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, RestoreConfig, SchedulerConfig, redact_url
 from .config_values import parse_value
 from .log import get_logger, warn_limited
 
@@ -45,7 +45,6 @@ OTHER_ENV_VARS = frozenset({
 EXCLUSIVE: dict[str, tuple[tuple[str, ...], ...]] = {"cache": (("num_pages", "kv_cache_bytes"),)}
 MAX_FILE_BYTES = 1 << 20
 _SECRET_NAME = re.compile(r"secret|password", re.I)
-_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def _shown(name: str, value: Any, redact: bool) -> Any:
         return value
     if _SECRET_NAME.search(name):
         return "<redacted>"
-    return _URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value
+    return redact_url(value) if isinstance(value, str) else value
 
 
 # --- the catalog of fields ------------------------------------------------------------------------------------

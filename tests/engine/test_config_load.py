@@ -282,3 +282,10 @@ def test_config_dict_round_trips_and_masks_secrets(tmp_path):
     assert config_dict(off)["restore"] is False and load_config(file=write(tmp_path, config_dict(off)), env={}) == off
     shown = config_dict(load_config({"restore": {"store": "redis://user:hunter2@host:6379/1"}}, env={}))
     assert shown["restore"]["store"] == "redis://user:***@host:6379/1"
+
+
+def test_restore_config_repr_hides_store_password_and_secret():
+    cfg = RestoreConfig(store="redis://user:hunter2@127.0.0.1:6379/0", secret="s3cret-value")
+    shown = repr(cfg)
+    assert "hunter2" not in shown and "s3cret-value" not in shown
+    assert "redis://user:***@127.0.0.1:6379/0" in shown and "chunk_tokens=256" in shown
