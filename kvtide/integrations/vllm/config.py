@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtide.config import RestoreConfig
+from kvtide.config import RestoreConfig, redact_url
 from kvtide.config_values import parse_value
 
 WHERE = "kv_connector_extra_config"
@@ -69,7 +69,7 @@ class ConnectorConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{WHERE}.max_known_chunks must be an int >= 1, got {n!r}")
 
-    def __repr__(self) -> str:  # RestoreConfig's repr would show a Redis URL's password
+    def __repr__(self) -> str:  # the settings the connector reads, secret and URL password hidden
         return f"ConnectorConfig({describe(self)})"
 
 
@@ -128,7 +128,7 @@ def from_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
 def describe(cfg: ConnectorConfig) -> dict[str, Any]:
     """The effective settings for a log line (secret and URL passwords hidden)."""
     r = cfg.restore
-    store = r.store if "@" not in r.store else r.store.split("://", 1)[0] + "://***@" + r.store.rsplit("@", 1)[1]
+    store = redact_url(r.store)
     out: dict[str, Any] = {"store": store, "secret": "<set>" if r.secret else None}
     for name in STORE_FIELDS:
         if name not in out:
