@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from ..extras import require
 from . import bounded, rans
@@ -39,6 +40,73 @@ def pack_bits(codes: np.ndarray, bits: int) -> bytes:
         return out.tobytes()
     planes = np.unpackbits(c[:, None], axis=1)[:, 8 - bits:]
     return np.packbits(planes.ravel()).tobytes()
+
+
+def pack_bits_t(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``pack_bits`` on a uint8 tensor, on its device: the same bytes, as a uint8 tensor."""
+    c = codes.contiguous().view(-1).to(torch.uint8)
+    if bits == 8:
+        return c
+    if 8 % bits == 0:
+        per = 8 // bits
+        c = torch.cat([c, c.new_zeros((-c.numel()) % per)]).view(-1, per).to(torch.int32)
+        shifts = torch.arange(0, 8, bits, device=c.device, dtype=torch.int32)
+        return (c << shifts).sum(1).to(torch.uint8)
+    # codes' low ``bits`` bits, most significant first, packed big-endian into bytes (numpy's packbits order)
+    sh = torch.arange(bits - 1, -1, -1, device=c.device, dtype=torch.int32)
+    b = ((c.to(torch.int32)[:, None] >> sh) & 1).view(-1)
+    b = torch.cat([b, b.new_zeros((-b.numel()) % 8)]).view(-1, 8)
+    return (b << torch.arange(7, -1, -1, device=c.device, dtype=torch.int32)).sum(1).to(torch.uint8)
+
+
+def unpack_bits_t(raw: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """``unpack_bits`` of a uint8 tensor holding exactly ``packed_nbytes(n, bits)`` bytes, on its device."""
+    if raw.numel() != packed_nbytes(n, bits):
+        raise ContainerError(f"packed {bits}-bit code stream of {n} codes: expected {packed_nbytes(n, bits)} bytes, "
+                             f"got {raw.numel()}")
+    r = raw.view(-1).to(torch.int32)
+    if bits == 8:
+        return raw.view(-1)[:n].clone()
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, device=r.device, dtype=torch.int32)
+        return ((r[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:n].to(torch.uint8)
+    b = ((r[:, None] >> torch.arange(7, -1, -1, device=r.device, dtype=torch.int32)) & 1).view(-1)[: n * bits]
+    w = torch.arange(bits - 1, -1, -1, device=r.device, dtype=torch.int32)
+    return (b.view(n, bits) << w).sum(1).to(torch.uint8)
+
+
+def planes_t(t: torch.Tensor) -> torch.Tensor:
+    """``planes`` of a tensor on its device: [itemsize, n] uint8 (plane 0 = least significant byte)."""
+    size = t.element_size()
+    return t.contiguous().view(-1).view(torch.uint8).view(-1, size).t().contiguous()
+
+
+def wire_bytes(s: Stream) -> torch.Tensor:
+    """The bytes a stream's byte-level coding starts from (packed codes, or byte planes) as a uint8 tensor on the
+    stream's device; equal to ``pack_bits`` / ``planes`` of the host array."""
+    t = s.data if isinstance(s.data, torch.Tensor) else to_tensor(s.data, "cpu")
+    if s.bits:
+        return pack_bits_t(t, s.bits)
+    return planes_t(t).view(-1)
+
+
+def unwire(raw: torch.Tensor, dtype: np.dtype, shape: tuple[int, ...], bits: int | None) -> torch.Tensor:
+    """Inverse of ``wire_bytes``: the stream as a tensor (uint16 BF16 bits as int16) on ``raw``'s device."""
+    n = _n(shape)
+    if bits:
+        return unpack_bits_t(raw, n, bits).view(shape)
+    if raw.numel() != n * dtype.itemsize:
+        raise ContainerError(f"stream of {n} x {dtype.itemsize}-byte values: got {raw.numel()} bytes")
+    tdt = {1: torch.uint8, 2: torch.float16 if dtype.kind == "f" else torch.int16, 4: torch.float32}[dtype.itemsize]
+    out = torch.empty(n, dtype.itemsize, dtype=torch.uint8, device=raw.device)  # strides fit a view at any n
+    out.copy_(raw.view(dtype.itemsize, n).t())
+    return out.view(tdt).view(shape)
+
+
+def to_tensor(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A decoded host array as a tensor on ``device`` (uint16 BF16 bits as int16)."""
+    a = a.view(np.int16) if a.dtype == np.uint16 else a
+    return torch.from_numpy(np.ascontiguousarray(a).copy()).to(device)
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -89,13 +157,26 @@ def _expect(data: bytes, n: int, what: str) -> bytes:
 
 
 class Codec(Stage):
+    """``encode`` takes host (numpy) streams unless ``device_encode``, when it also takes device tensors and codes
+    them where they are; ``decode_tensor`` decodes onto a device (the default: decode on the host, then copy)."""
+
     registry: ClassVar[dict[str, type]] = {}
+    device_encode: ClassVar[bool] = False
 
     def encode(self, s: Stream) -> bytes:
         raise NotImplementedError
 
     def decode(self, data: bytes, dtype: np.dtype, shape: tuple[int, ...], bits: int | None, bf16: bool) -> np.ndarray:
         raise NotImplementedError
+
+    def decode_tensor(self, data: bytes, dtype: np.dtype, shape: tuple[int, ...], bits: int | None, bf16: bool,
+                      device: torch.device | str) -> torch.Tensor:
+        return to_tensor(self.decode(data, dtype, shape, bits, bf16), device)
+
+
+def _upload(data: bytes, device: torch.device | str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.zeros(
+        0, dtype=torch.uint8, device=device)
 
 
 @register(Codec)
@@ -104,12 +185,17 @@ class Raw(Codec):
     """No coding: one byte per code, arrays as little-endian bytes."""
 
     name: ClassVar[str] = "none"
+    device_encode: ClassVar[bool] = True
 
     def encode(self, s):
-        return np.ascontiguousarray(s.data).tobytes()
+        return s.host().data.tobytes() if isinstance(s.data, torch.Tensor) else np.ascontiguousarray(s.data).tobytes()
 
     def decode(self, data, dtype, shape, bits, bf16):
         return np.frombuffer(_expect(data, _n(shape) * dtype.itemsize, self.name), dtype).reshape(shape).copy()
+
+    def decode_tensor(self, data, dtype, shape, bits, bf16, device):
+        _expect(data, _n(shape) * dtype.itemsize, self.name)
+        return to_tensor(np.frombuffer(data, dtype).reshape(shape), device)
 
 
 @register(Codec)
@@ -120,12 +206,19 @@ class Pack(Raw):
     name: ClassVar[str] = "pack"
 
     def encode(self, s):
+        if s.bits and isinstance(s.data, torch.Tensor):
+            return pack_bits_t(s.data, s.bits).cpu().numpy().tobytes()
         return pack_bits(s.data, s.bits) if s.bits else super().encode(s)
 
     def decode(self, data, dtype, shape, bits, bf16):
         if bits:
             return unpack_bits(data, _n(shape), bits).reshape(shape)
         return super().decode(data, dtype, shape, bits, bf16)
+
+    def decode_tensor(self, data, dtype, shape, bits, bf16, device):
+        if bits:
+            return unpack_bits_t(_upload(data, device), _n(shape), bits).view(shape)
+        return super().decode_tensor(data, dtype, shape, bits, bf16, device)
 
 
 class _Bytes(Codec):
@@ -226,6 +319,7 @@ class ZipFusion(Pack):
     """Lossless ZipFusion BF16 format (kvtide.cache.zip_format) for BF16 streams; codes bit-packed."""
 
     name: ClassVar[str] = "zipf"
+    device_encode: ClassVar[bool] = False
     bs: int = 512
     v: int = 1  # format version; 2 adds the exact-zero escape
 
@@ -238,7 +332,6 @@ class ZipFusion(Pack):
     def encode(self, s):
         if not s.bf16:
             return super().encode(s)
-        import torch
         from kvtide.cache import zip_format
         flat = s.data.ravel().view(np.int16)
         flat = np.concatenate([flat, np.zeros((-flat.size) % self.bs, np.int16)])  # the format wants whole blocks
@@ -246,10 +339,12 @@ class ZipFusion(Pack):
         kw = {"version": self.v} if self.v != 1 else {}  # the base API is encode(x, block_size)
         return _serialise(zip_format.encode(x, block_size=self.bs, **kw))
 
+    def decode_tensor(self, data, dtype, shape, bits, bf16, device):
+        return to_tensor(self.decode(data, dtype, shape, bits, bf16), device)
+
     def decode(self, data, dtype, shape, bits, bf16):
         if not bf16:
             return super().decode(data, dtype, shape, bits, bf16)
-        import torch
         from kvtide.cache import zip_format
         n = _n(shape)
         padded = n + (-n) % self.bs

@@ -5,6 +5,13 @@
 Lossless pipelines (transform and quantizer ``none``) are bit-exact; for the others ``error_bound(blob)``
 states the max abs error, before the final rounding to BF16 (<= 2^-8 |x| more).
 
+Stages run on the KV's device: a CUDA tensor is transformed, quantised and (for codecs with ``device_encode``, e.g.
+the nvCOMP ones in nvcodecs.py) coded on the GPU; ``decode(blob, device=...)`` decodes onto a device. The blob
+does not depend on where it was made: integer codes, scales and BF16 streams are the same bits on every device for
+the ``none`` and ``delta`` transforms (min/max reductions and IEEE division round alike); ``hadamard`` (a matmul)
+and ``affine`` (mean/std) may differ in the last float bit between devices, which can move a code by one step,
+within the stated error bound.
+
 Decoding treats the blob as untrusted: ``max_values`` bounds the values its entries may declare (default
 ``container.MAX_VALUES``; pass what you expect), each entry's streams are checked against the stages
 (layout.py) before any is decoded, and every failure is a ContainerError.
@@ -17,7 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import codecs, quantizers, transforms  # noqa: F401  (registers the stages)
+from . import codecs, nvcodecs, quantizers, transforms  # noqa: F401  (registers the stages)
 from .codecs import Codec
 from .container import MAX_VALUES, Entry, StreamRecord, pack, unpack
 from .errors import ContainerError, SpecError
@@ -89,15 +96,16 @@ class Pipeline:
 
     def _encode_one(self, kv: torch.Tensor, key: str | None, scores: torch.Tensor | None) -> Entry:
         if self.lossless:  # bit patterns straight through: float round trips would canonicalise NaN payloads
-            bits = kv.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-            side, qs, qmeta = {}, {"v": Stream(bits.copy(), bf16=True)}, {"x": True}
+            side, qs, qmeta = {}, {"v": Stream(kv.detach().contiguous().view(torch.int16), bf16=True)}, {"x": True}
         else:
-            x = kv.detach().to("cpu", torch.float32)
+            x = kv.detach().to(torch.float32)
             y, side = self.transform.encode(x)
             qs, qmeta = self.quantizer.encode(y, scores)
-        streams = {"t." + k: Stream(np.ascontiguousarray(v)) for k, v in side.items()}
+        streams = {"t." + k: Stream(v) for k, v in side.items()}
         streams.update({"q." + k: v for k, v in qs.items()})
-        recs = [StreamRecord(name, s.data.dtype.str, tuple(s.data.shape), s.bits, s.bf16, self.codec.encode(s))
+        if not self.codec.device_encode:
+            streams = {k: s.host() for k, s in streams.items()}
+        recs = [StreamRecord(name, s.dtype, s.shape, s.bits, s.bf16, self.codec.encode(s))
                 for name, s in streams.items()]
         return Entry(key, tuple(kv.shape), "bfloat16", {"q": qmeta}, recs)
 
@@ -112,22 +120,26 @@ class Pipeline:
             check_entry(self, e)
         return entries
 
-    def _arrays(self, e: Entry) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def _arrays(self, e: Entry, device: torch.device | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The entry's decoded streams: numpy arrays, or tensors on ``device`` when one is given."""
         t, q = {}, {}
         for s in e.streams:
-            a = self.codec.decode(s.payload, np.dtype(s.dtype), s.shape, s.bits, s.bf16)
+            args = (s.payload, np.dtype(s.dtype), s.shape, s.bits, s.bf16)
+            a = self.codec.decode(*args) if device is None else self.codec.decode_tensor(*args, device)
             (t if s.name.startswith("t.") else q)[s.name[2:]] = a
         return t, q
 
-    def _decode_one(self, e: Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _decode_one(self, e: Entry, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         try:
-            t, q = self._arrays(e)
+            t, q = self._arrays(e, device)
             if self.lossless:
                 v = q["v"]
-                if v.size != math.prod(e.shape):
+                if math.prod(v.shape) != math.prod(e.shape):
                     raise ContainerError("stream size does not match the recorded shape")
+                if isinstance(v, torch.Tensor):
+                    return v.reshape(e.shape).view(torch.bfloat16), None
                 return torch.from_numpy(v.view(np.int16).reshape(e.shape).copy()).view(torch.bfloat16), None
-            y, mask = self.quantizer.decode(q, e.meta["q"], e.shape)
+            y, mask = self.quantizer.decode(q, e.meta["q"], e.shape, device)
             x = self.transform.decode(y, t)
         except ContainerError:
             raise
@@ -137,19 +149,21 @@ class Pipeline:
             raise ContainerError(f"decoded shape {tuple(x.shape)} != recorded {e.shape}")
         return x.to(torch.bfloat16), mask
 
-    def decode_with_mask(self, blob: bytes, max_values: int = MAX_VALUES) -> tuple[KV, Any]:
+    def decode_with_mask(self, blob: bytes, max_values: int = MAX_VALUES, device: torch.device | str | None = None
+                         ) -> tuple[KV, Any]:
         """Also return the kept-token mask [layers, 2, tokens, kv_heads] (None without pruning): pruned
-        positions decode as zeros and the attention must skip them."""
-        return self._decode_entries(self._entries(blob, max_values))
+        positions decode as zeros and the attention must skip them. ``device``: where to decode (None: the CPU,
+        through the host codecs)."""
+        return self._decode_entries(self._entries(blob, max_values), None if device is None else torch.device(device))
 
-    def _decode_entries(self, entries: list[Entry]) -> tuple[KV, Any]:
-        outs = [self._decode_one(e) for e in entries]
+    def _decode_entries(self, entries: list[Entry], device: torch.device | None = None) -> tuple[KV, Any]:
+        outs = [self._decode_one(e, device) for e in entries]
         if len(entries) == 1 and entries[0].key is None:
             return outs[0]
         return {e.key: o[0] for e, o in zip(entries, outs)}, {e.key: o[1] for e, o in zip(entries, outs)}
 
-    def decode(self, blob: bytes, max_values: int = MAX_VALUES) -> KV:
-        return self.decode_with_mask(blob, max_values)[0]
+    def decode(self, blob: bytes, max_values: int = MAX_VALUES, device: torch.device | str | None = None) -> KV:
+        return self.decode_with_mask(blob, max_values, device)[0]
 
     def error_bound(self, blob: bytes, max_values: int = MAX_VALUES) -> float:
         """Max abs error of decode (kept positions) against the input, before the final BF16 rounding."""

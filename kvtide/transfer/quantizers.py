@@ -22,12 +22,22 @@ from .stage import Stage, Stream, check_int, register
 AXES = ("token", "channel")
 
 
-def _bf16_bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """BF16 bit patterns as int16 on ``t``'s device (the stream records them as uint16)."""
+    return t.contiguous().to(torch.bfloat16).view(torch.int16)
 
 
-def _from_bf16(a: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).float().reshape(shape)
+def _tensor(a: np.ndarray | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A decoded stream as a tensor on ``device`` (uint16 BF16 bits as int16; numpy arrays copied)."""
+    if isinstance(a, torch.Tensor):
+        return a if device is None else a.to(device)
+    a = a.view(np.int16) if a.dtype == np.uint16 else a
+    return torch.from_numpy(a.copy()).to(device or "cpu")
+
+
+def _from_bf16(a: np.ndarray | torch.Tensor, shape: tuple[int, ...], device: torch.device | str | None = None
+               ) -> torch.Tensor:
+    return _tensor(a, device).view(torch.bfloat16).float().reshape(shape)
 
 
 def _exact(t: torch.Tensor) -> bool:
@@ -40,8 +50,9 @@ class Quantizer(Stage):
     def encode(self, y: torch.Tensor, head_scores: torch.Tensor | None) -> tuple[dict[str, Stream], dict[str, Any]]:
         raise NotImplementedError
 
-    def decode(self, streams: dict[str, np.ndarray], meta: dict[str, Any], shape: tuple[int, ...]
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, streams: dict[str, np.ndarray | torch.Tensor], meta: dict[str, Any], shape: tuple[int, ...],
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Streams may be numpy arrays or tensors; the result is on ``device`` (None: the CPU)."""
         raise NotImplementedError
 
     def bound(self, streams: dict[str, np.ndarray], meta: dict[str, Any], shape: tuple[int, ...]) -> float:
@@ -58,8 +69,8 @@ class Bypass(Quantizer):
     def encode(self, y, head_scores):
         return {"v": Stream(_bf16_bits(y), bf16=True)}, {"x": _exact(y)}
 
-    def decode(self, streams, meta, shape):
-        return _from_bf16(streams["v"], shape), None
+    def decode(self, streams, meta, shape, device=None):
+        return _from_bf16(streams["v"], shape, device), None
 
     def bound(self, streams, meta, shape):
         if meta["x"] or streams["v"].size == 0:
@@ -96,7 +107,7 @@ class Grouped(Quantizer):
             sl = y[:, kv].permute(0, 2, 1, 3)  # [L, H, T, D]
             axis = self.kax if kv == 0 else self.vax
             for b in sorted(set(bm[:, kv].ravel().tolist())):
-                z = sl[torch.from_numpy(bm[:, kv] == b)]
+                z = sl[torch.from_numpy(bm[:, kv] == b).to(y.device)]
                 p = f"{kv}.{b}."
                 if b in (0, 16):
                     keep = z if b == 16 else z[:, _kept_tokens(T, self._sink(), self._win())]
@@ -113,9 +124,9 @@ class Grouped(Quantizer):
                     m = mn.to(mdt).float()
                     s = ((mx - mn) / q).to(mdt).float()
                     codes = ((zq - m) / torch.where(s > 0, s, torch.ones_like(s))).round_().clamp_(0, q)
-                    streams[p + "c"] = Stream(codes.to(torch.uint8).numpy(), bits=b)
-                    streams[p + "s"] = Stream(s.to(mdt).numpy())
-                    streams[p + "m"] = Stream(m.to(mdt).numpy())
+                    streams[p + "c"] = Stream(codes.to(torch.uint8), bits=b)
+                    streams[p + "s"] = Stream(s.to(mdt))
+                    streams[p + "m"] = Stream(m.to(mdt))
                 streams[p + "r"] = Stream(_bf16_bits(rest), bf16=True)
                 exact &= _exact(rest)
         return streams, {"bm": bm.tolist(), "x": exact}
@@ -138,33 +149,34 @@ class Grouped(Quantizer):
         return z[:, :tq].reshape(n, tq // self.g, self.g, D), z[:, tq:]
 
     # --- decode -------------------------------------------------------------------------------------------
-    def decode(self, streams, meta, shape):
+    def decode(self, streams, meta, shape, device=None):
         L, _, T, H, D = shape
+        dev = torch.device(device or "cpu")
         bm = np.asarray(meta["bm"], dtype=np.int64).reshape(L, 2, H)
-        out = torch.zeros(L, 2, H, T, D)
-        mask = torch.ones(L, 2, H, T, dtype=torch.bool) if (bm == 0).any() else None
+        out = torch.zeros(L, 2, H, T, D, device=dev)
+        mask = torch.ones(L, 2, H, T, dtype=torch.bool, device=dev) if (bm == 0).any() else None
         for kv in (0, 1):
             for b in sorted(set(bm[:, kv].ravel().tolist())):
-                sel = torch.from_numpy(bm[:, kv] == b)
+                sel = torch.from_numpy(bm[:, kv] == b).to(dev)
                 n = int(sel.sum())
                 p = f"{kv}.{b}."
                 if b == 16:
-                    out[:, kv][sel] = _from_bf16(streams[p + "k"], (n, T, D))
+                    out[:, kv][sel] = _from_bf16(streams[p + "k"], (n, T, D), dev)
                     continue
                 if b == 0:
                     idx = _kept_tokens(T, self._sink(), self._win())
-                    z = torch.zeros(n, T, D)
-                    z[:, idx] = _from_bf16(streams[p + "k"], (n, len(idx), D))
+                    z = torch.zeros(n, T, D, device=dev)
+                    z[:, idx] = _from_bf16(streams[p + "k"], (n, len(idx), D), dev)
                     out[:, kv][sel] = z
-                    m = torch.zeros(n, T, dtype=torch.bool)
+                    m = torch.zeros(n, T, dtype=torch.bool, device=dev)
                     m[:, idx] = True
                     mask[:, kv][sel] = m  # type: ignore[index]
                     continue
-                rest = _from_bf16(streams[p + "r"], (n, -1, D))
+                rest = _from_bf16(streams[p + "r"], (n, -1, D), dev)
                 tq = T - rest.shape[1]
                 if tq:
-                    c = torch.from_numpy(streams[p + "c"]).float()
-                    zq = c * torch.from_numpy(streams[p + "s"]).float() + torch.from_numpy(streams[p + "m"]).float()
+                    c = _tensor(streams[p + "c"], dev).float()
+                    zq = c * _tensor(streams[p + "s"], dev).float() + _tensor(streams[p + "m"], dev).float()
                     z = torch.cat([zq.reshape(n, tq, D), rest], 1)
                 else:
                     z = rest

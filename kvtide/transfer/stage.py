@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+import torch
 
 from .errors import SpecError
 from .spec import StageSpec, Value
@@ -13,23 +14,45 @@ from .spec import StageSpec, Value
 S = TypeVar("S", bound="Stage")
 
 
+_TORCH_DTYPES = {"uint8": "|u1", "int16": "<u2", "float16": "<f2", "float32": "<f4"}  # BF16 bits travel as int16
+
+
 @dataclass(frozen=True)
 class Stream:
-    """One named array a stage hands to the codec.
+    """One named array a stage hands to the codec: a numpy array, or a torch tensor on any device.
 
     ``bits`` set means integer codes in [0, 2**bits) stored as uint8 (packable, entropy-codable);
-    ``bf16`` means the uint16 array holds BF16 bit patterns (ZipFusion-codable).
+    ``bf16`` means the array holds BF16 bit patterns (uint16 in numpy, int16 in torch; ZipFusion-codable).
+    A tensor's wire dtype is the numpy one it maps to, so where a stream was computed does not change the blob.
     """
 
-    data: np.ndarray
+    data: np.ndarray | torch.Tensor
     bits: int | None = None
     bf16: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits is not None and (self.data.dtype != np.uint8 or not 1 <= self.bits <= 8):
+        if self.bits is not None and (self.dtype != "|u1" or not 1 <= self.bits <= 8):
             raise ValueError(f"code streams are uint8 with 1..8 bits, got {self.data.dtype} bits={self.bits}")
-        if self.bf16 and self.data.dtype != np.uint16:
+        if self.bf16 and self.dtype != "<u2":
             raise ValueError("bf16 streams hold uint16 bit patterns")
+
+    @property
+    def dtype(self) -> str:
+        """The numpy dtype string the stream is recorded and decoded as."""
+        if isinstance(self.data, torch.Tensor):
+            return _TORCH_DTYPES.get(str(self.data.dtype).removeprefix("torch."), str(self.data.dtype))
+        return self.data.dtype.str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def host(self) -> "Stream":
+        """The same stream as a numpy array (a copy to the host for a device tensor)."""
+        if not isinstance(self.data, torch.Tensor):
+            return self
+        a = self.data.detach().contiguous().cpu().numpy()
+        return Stream(a.view(np.uint16) if self.dtype == "<u2" else a, self.bits, self.bf16)
 
 
 class Stage:

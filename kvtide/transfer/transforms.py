@@ -1,6 +1,6 @@
 """Transforms: invertible reshaping of KV values before quantisation.
 
-All work on float32 tensors shaped [layers, 2, tokens, kv_heads, head_dim]. ``gain`` bounds how much an
+All work on float32 tensors shaped [layers, 2, tokens, kv_heads, head_dim], on the input's device. ``gain`` bounds how much an
 error in the transformed domain (max abs) can grow through ``decode`` (max abs), so the pipeline can state
 an error bound for the whole chain.
 """
@@ -17,7 +17,7 @@ import torch
 from .errors import SpecError
 from .stage import Stage, check_int, register
 
-Side = dict[str, np.ndarray]
+Side = dict[str, np.ndarray | torch.Tensor]  # encode writes tensors on the input's device; decode may get either
 
 
 class Transform(Stage):
@@ -57,7 +57,7 @@ class Delta(Transform):
         check_int("delta anchor interval a", self.a, 1, 1 << 20)
 
     def _anchor(self, x: torch.Tensor) -> torch.Tensor:
-        idx = (torch.arange(x.shape[2]) // self.a) * self.a
+        idx = (torch.arange(x.shape[2], device=x.device) // self.a) * self.a
         return x[:, :, idx]
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
@@ -94,11 +94,14 @@ class Hadamard(Transform):
             raise SpecError(f"hadamard needs a power-of-two head_dim, got {d}")
         return _hadamard(d)
 
+    def _hx(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self._h(x.shape[-1]).to(x.device)
+
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
-        return x @ self._h(x.shape[-1]), {}
+        return self._hx(x), {}
 
     def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
-        return y @ self._h(y.shape[-1])  # symmetric and orthogonal: its own inverse
+        return self._hx(y)  # symmetric and orthogonal: its own inverse
 
     def gain(self, shape: tuple[int, ...], side: Side) -> float:
         return math.sqrt(shape[-1]) * (1 + 1e-5)
@@ -115,10 +118,11 @@ class Affine(Transform):
         mu = x.mean(dim=2, keepdim=True)
         sd = x.std(dim=2, keepdim=True, correction=0) if x.shape[2] > 1 else torch.ones_like(mu)
         sd = torch.where(sd > 1e-12, sd, torch.ones_like(sd))
-        return (x - mu) / sd, {"mu": mu.numpy(), "sd": sd.numpy()}
+        return (x - mu) / sd, {"mu": mu, "sd": sd}
 
     def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
-        return y * torch.from_numpy(side["sd"]) + torch.from_numpy(side["mu"])
+        return y * torch.as_tensor(side["sd"], device=y.device) + torch.as_tensor(side["mu"], device=y.device)
 
     def gain(self, shape: tuple[int, ...], side: Side) -> float:
-        return float(np.max(side["sd"])) * (1 + 1e-5) if side["sd"].size else 1.0
+        sd = torch.as_tensor(side["sd"])
+        return float(sd.max()) * (1 + 1e-5) if sd.numel() else 1.0
