@@ -260,8 +260,10 @@ BENCH_SUITES = {
     "engine-gpu": "engine_gpu.py",  # GPU: real-model tokens against the CPU / transformers; 8B-shape decode
     "restore": "restore.py",  # restoration (CacheFlow) TTFT against recompute, load-only and Cake
     "restore-devicewise": "restore_devicewise.py",  # device-wise CacheFlow on a pipeline of shards
+    "restore-served": "restore_served.py",  # restorations beside decoding: decoders' TPOT, restorers' TTFT
     "kvserve": "kvserve_controller.py",  # KVServe online controller under a bandwidth trace
     "kvserve-profiles": "kvserve_profiles.py",  # KVServe offline profiles (writes the tables kvserve reads)
+    "kvserve-gpu": "kvserve_gpu.py",  # GPU: every packaged profile's encode/decode GB/s, ratio and B* (nvCOMP codecs)
     "pd": "pd.py",  # prefill/decode hand-off JCT per method and bandwidth; the controller under a drifting link
     "faults": "faults.py",  # fault soak: injected store/backend faults, wrong outputs / stuck / crashes
     "vllm-connector": "vllm_connector.py",  # CPU: vLLM's TTFT with kvtide's KV connector, recompute, ExampleConnector

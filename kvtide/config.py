@@ -162,6 +162,11 @@ class RestoreConfig:
     secret: str | None = field(default=None, repr=False)
     namespace: str | None = None
     store_token_ids: bool = True
+    # a restoration beside running requests takes at most this fraction of the median recent engine step per step
+    # (its compute in quanta: layer calls, sliced when one would overrun), its loads in the background, while the
+    # others keep decoding; alone it runs to the end at once. None (the default until its restorers' TTFT is
+    # measured on a GPU): every restoration runs to the end in the step it starts (the decode batch waits for it)
+    step_fraction: float | None = None
 
     def __repr__(self) -> str:  # logs and errors print configs: a store URL's password stays out of them
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
@@ -212,6 +217,11 @@ class RestoreConfig:
             raise ValueError("RestoreConfig.secret must be None or a non-empty string")  # never echo it
         if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
             raise ValueError(f"RestoreConfig.namespace must be None or a non-empty string, got {self.namespace!r}")
+        if self.step_fraction is not None and (isinstance(self.step_fraction, bool)
+                                               or not isinstance(self.step_fraction, (int, float))
+                                               or not 0 < self.step_fraction <= 100):
+            raise ValueError(f"RestoreConfig.step_fraction must be None or a number in (0, 100], "
+                             f"got {self.step_fraction!r}")
         if not isinstance(self.store_token_ids, bool):
             raise ValueError(f"RestoreConfig.store_token_ids must be a bool, got {self.store_token_ids!r}")
 

@@ -184,7 +184,10 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             seq.status = Status.FINISHED
             seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+            if self.restorer is not None and self.restorer.holds(seq):  # its pages are being written
+                self.restorer.abort(seq)
+            else:
+                self.scheduler.finish(seq)
 
     def fail(self, seq: Sequence, message: str) -> RequestOutput:
         """Finish ``seq`` with an error (its pages released, nothing of it runs again); returns its final output."""
@@ -225,7 +228,7 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         prev, self._pending = self._pending, None
         if not plan.batch and prev is None:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not self.scheduler.restoring:
                 # cannot happen for a validated request (add_request bounds its length by the whole cache);
                 # fail it rather than the loop
                 seq = self.scheduler.waiting[0]

@@ -4,12 +4,15 @@ At finish (and on eviction, ``spill``) a request's full chunks are copied out of
 background writer. Each step, before the scheduler, the head of the waiting queue is looked up (device prefix-cache
 hits first, then store chunks, within ``lookup_budget_s``); requests with chunks to restore are admitted through the
 scheduler's admission API, planned together (``method``) and run by the executor, and enter the running set with
-their first token sampled. Failed loads are recomputed; a failed restoration sends its requests to plain prefill.
+their first token sampled. Beside running requests the run advances by a share of each engine step
+(``RestoreConfig.step_fraction``) while the others keep decoding; alone it runs to its end at once. Failed loads are
+recomputed; a failed restoration sends its requests to plain prefill; an aborted one's pages wait for the run's end.
 The engine is reached only through ``RestoreHost``. Details and the reasons: docs/design/engine.md.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
@@ -22,7 +25,7 @@ from ..config import EngineConfig
 from ..log import get_logger, warn_limited
 from ..models.llama import CausalLM
 from ..restore.costs import BlockCost, ExecutorReplayTime, RestoreRequest
-from ..restore.executor import LoadConfig, RestoreExecutor, RestoreJob, RestoreResult
+from ..restore.executor import LoadConfig, RestoreExecutor, RestoreJob, RestoreResult, RestoreRun
 from ..restore.methods import make_plan
 from ..restore.planner import Plan
 from ..restore.profile import LatencyProfile
@@ -94,6 +97,7 @@ class RestoreStats:
     lookups: int = 0
     lookup_failures: int = 0  # lookups the tier did not answer (timeout, down, breaker open): plain prefill
     lookups_deferred: int = 0  # requests not looked up: the step's lookup budget was spent (prefilled as usual)
+    interleaved_steps: int = 0  # engine steps that advanced a restoration without finishing it (decodes went on)
 
 
 @dataclass
@@ -130,8 +134,23 @@ class RestoreRecord:
     planned_load_bytes: int = 0
     layer_recompute_seconds: list[float] = field(default_factory=list)  # per staircase layer (the profile's F data)
 
+    paused_seconds: float = 0.0  # of total_seconds, engine steps run between its quanta (interleaved)
+    advances: int = 1  # engine steps it took
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class _Flight:
+    """The restoration in flight: its requests (admitted, not running), the plan, the executor's run, and what
+    it holds until it ends (the writer's hold)."""
+
+    picked: list
+    plan: Plan
+    run: RestoreRun
+    seqs: list[Sequence]
+    stack: contextlib.ExitStack
 
 
 class Restorer:
@@ -167,6 +186,9 @@ class Restorer:
         self._known: OrderedDict[str, None] = OrderedDict()  # chunk keys written or restored lately
         self._no_restore: set[str] = set()  # request ids sent back to plain prefill
         self._spill: OrderedDict[bytes, _SpillChunk] = OrderedDict()  # page hash -> unwritten chunk it belongs to
+        self._flight: _Flight | None = None  # the restoration in flight (one at a time)
+        self._not_held: set[int] = set()  # ids of waiting sequences looked up during the flight, not restorable
+        self._step_times: deque[float] = deque(maxlen=8)  # recent engine steps' seconds (the interleaving budget)
         if cfg.spill:
             engine.block_manager.on_release = self.on_release
             engine.block_manager.on_evict = self.on_evict
@@ -228,7 +250,10 @@ class Restorer:
 
     # ---- bookkeeping hooks called by the engine ------------------------------------------------------
     def observe_step(self, batch: list[tuple[Sequence, int]], seconds: float) -> None:
-        """F(t) from the prefills the engine runs anyway: one sequence, from position 0, t tokens, L blocks."""
+        """F(t) from the prefills the engine runs anyway: one sequence, from position 0, t tokens, L blocks; and
+        the step's time, which sets the budget of a restoration interleaved with steps (``step_budget``)."""
+        if batch and seconds > 0:
+            self._step_times.append(seconds)
         if len(batch) == 1:
             seq, n = batch[0]
             if seq.num_computed_tokens == n and n > 1 and seconds > 0:  # the engine has booked the step
@@ -419,8 +444,50 @@ class Restorer:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Restore what the head of the waiting queue allows; returns their first-token outputs."""
+        """Advance the restoration in flight, or start one with what the head of the waiting queue allows;
+        returns the first-token outputs of a restoration that completed in this step."""
+        if self._flight is None:
+            self._flight = self._start(self._pick())
+            if self._flight is None:
+                return []
+        else:
+            self._hold()
+        f = self._flight
+        try:
+            done = f.run.advance(self.step_budget())
+        except Exception:  # noqa: BLE001 - a bug here must cost a recompute, not the requests
+            log.exception("restoration failed; its requests are prefilled instead")
+            self._abandon(f)
+            return []
+        if not done:
+            self.stats.interleaved_steps += 1
+            return []
+        self._flight = None
+        f.stack.close()
+        try:
+            return self._complete(f)
+        except Exception:  # noqa: BLE001
+            log.exception("restoration failed after its run; its requests are prefilled instead")
+            self._abandon(f, ran=True)
+            return []
+
+    def _hold(self) -> None:
+        """While a restoration is in flight, waiting requests whose prefix it could restore are held back from plain
+        prefill (``Scheduler.held``) for the next restoration; each is looked up once."""
         sch = self.engine.scheduler
+        self._lookup_seconds, self._write_wait_left = 0.0, 0.0
+        for seq in sch.waiting_head(4 * self.cfg.max_batch):
+            if id(seq) in sch.held or id(seq) in self._not_held or self._budget_spent():
+                continue
+            if self.candidate(seq) is not None:
+                sch.held.add(id(seq))
+            else:
+                self._not_held.add(id(seq))
+
+    def _pick(self) -> list[tuple[Sequence, int, int, list[ChunkKey]]]:
+        sch = self.engine.scheduler
+        sch.held.clear()
+        self._not_held.clear()
         picked: list[tuple[Sequence, int, int, list[ChunkKey]]] = []
         self._lookup_seconds, self._write_wait_left = 0.0, self.cfg.store_timeout_s
         room = sch.seq_slots_left()
@@ -439,42 +506,54 @@ class Restorer:
             if not sch.admit_restored(seq, hits, cached, pending=len(picked)):
                 break
             picked.append((seq, start, cached, keys))
+        return picked
+
+    def step_budget(self) -> float:
+        """Seconds of restoration work this step: all of it when nothing else runs (or ``step_fraction`` is None:
+        the blocking restoration), else ``step_fraction`` of the median recent engine step (0 before one is
+        measured: one quantum a step)."""
+        frac = self.cfg.step_fraction
+        if frac is None or not self.engine.scheduler.running:
+            return math.inf
+        if not self._step_times:
+            return 0.0
+        return frac * float(np.median(self._step_times))
+
+    def compute_share(self) -> float:
+        """The part of the wall clock a restoration started now gets for its compute: 1 alone, else
+        f / (1 + f) with f = ``step_fraction`` (the rest is the decode steps it runs beside)."""
+        frac = self.cfg.step_fraction
+        if frac is None or not self.engine.scheduler.running:
+            return 1.0
+        return frac / (1.0 + frac)
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is being restored (its pages are being written: not to be released by anyone else)."""
+        return self._flight is not None and any(s is seq for s in self._flight.seqs)
+
+    def abort(self, seq: Sequence) -> None:
+        """An aborted request of the restoration in flight (already marked finished by the engine): its pages are
+        released when the restoration ends, since the I/O thread may be writing them; the last one aborted stops
+        the restoration now (the I/O thread joined first)."""
+        f = self._flight
+        assert f is not None and self.holds(seq)
+        if all(s.finished for s in f.seqs):
+            self._flight = None
+            f.run.cancel()
+            f.stack.close()
+            for s in f.seqs:
+                self.engine.scheduler.finish(s)
+
+    def _start(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]]) -> "_Flight | None":
         if not picked:
-            return []
-        try:
-            return self._restore(picked)
-        except Exception:  # noqa: BLE001 - a bug here must cost a recompute, not the requests
-            self.stats.errors += 1
-            for seq, *_ in reversed(picked):
-                self._no_restore.add(seq.request_id)
-                sch.requeue_restored(seq)
-            return []
-
-    def plan_for(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]], method: str | None = None) -> Plan:
-        """The plan to run. CacheFlow with stealing on plans ``hedge`` compute-heavy (as if replay were that much
-        cheaper) and predicts with the unbiased optimum: stealing only moves work from compute to the link, so a
-        plan that leaves the link slack absorbs a compute thread slower than predicted, and when it is not
-        slower, the idle link takes the surplus back at run time (ending near the unbiased optimum)."""
-        method = method or self.cfg.method
-        reqs = [RestoreRequest(cached - start, seq.num_tokens - cached) for seq, start, cached, _ in picked]
-        self.plan_bandwidth = bw = self.bandwidth(method)
-        longest = max(r.cached_tokens for r in reqs)
-        cost = self.cost(len(reqs), longest)
-        best = make_plan(method, reqs, cost, bw, self.chunk)
-        if method != "cacheflow" or not self.cfg.steal or self.cfg.hedge == 0.0:
-            return best
-        rt = replace(cost.replay_time, scale=cost.replay_time.scale * (1.0 - self.cfg.hedge))
-        hedged = make_plan(method, reqs, replace(cost, replay_time=rt), bw, self.chunk)
-        best.boundaries = hedged.boundaries
-        best.planning_seconds += hedged.planning_seconds
-        best.method = "cacheflow-hedged"
-        return best
-
-    def _restore(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]]) -> list[RequestOutput]:
+            return None
         eng = self.engine
-        # The writer holds from the plan on: planning is on the request's critical path like the executor's threads,
-        # and an entry being encoded holds the GIL for part of its copies and hash.
-        with self.writer.held() if self.writer is not None else contextlib.nullcontext():
+        stack = contextlib.ExitStack()
+        try:
+            # The writer holds from the plan on: planning is on the request's critical path like the executor's
+            # threads, and an entry being encoded holds the GIL for part of its copies and hash.
+            if self.writer is not None:
+                stack.enter_context(self.writer.held())
             plan = self.plan_for(picked)
             jobs = [RestoreJob(seq.token_ids, start, cached, seq.num_tokens, keys, [start + j for j in js])
                     for (seq, start, cached, keys), js in zip(picked, plan.boundaries)]
@@ -485,8 +564,74 @@ class Restorer:
             steal = self.cfg.steal and plan.method not in ("recompute-only", "load-only")
             load = LoadConfig(steal=steal, merge_layers=self.cfg.merge_load_layers, workers=self.cfg.load_workers,
                               read_ahead=self.cfg.load_read_ahead)
-            res = RestoreExecutor(port, self.store, self.chunk, load, kv_dtype=eng.config.cache.torch_kv_dtype).run(
-                jobs, profile=self.profile)
+            ex = RestoreExecutor(port, self.store, self.chunk, load, kv_dtype=eng.config.cache.torch_kv_dtype)
+            run = ex.start(jobs, profile=self.profile, quantum_cost=self._quantum_cost(len(picked)))
+        except Exception:  # noqa: BLE001 - a bug here must cost a recompute, not the requests
+            log.exception("restoration could not start; its requests are prefilled instead")
+            stack.close()
+            self.stats.errors += 1
+            for seq, *_ in reversed(picked):
+                self._no_restore.add(seq.request_id)
+                eng.scheduler.requeue_restored(seq)
+            return None
+        return _Flight(picked, plan, run, seqs, stack)
+
+    def _quantum_cost(self, batch: int):  # noqa: ANN202
+        """Predicted seconds of one layer call over segments (F as the executor pays it, per request's rows)."""
+        F = self.replay_time(batch)
+
+        def cost(segs) -> float:  # noqa: ANN001
+            return float(sum(F(s.end) - F(s.start) if s.start else F(s.end) for s in segs))
+        return cost
+
+    def _abandon(self, f: "_Flight", ran: bool = False) -> None:
+        """A restoration that failed as a whole: stopped (loads joined), its live requests back to plain prefill,
+        the aborted ones released."""
+        self.stats.errors += 1
+        if self._flight is f:
+            self._flight = None
+        if not ran:
+            with contextlib.suppress(Exception):
+                f.run.cancel()
+        f.stack.close()
+        sch = self.engine.scheduler
+        for seq in reversed(f.seqs):
+            if seq.finished:
+                sch.finish(seq)
+            else:
+                self._no_restore.add(seq.request_id)
+                sch.requeue_restored(seq)
+
+    def plan_for(self, picked: list[tuple[Sequence, int, int, list[ChunkKey]]], method: str | None = None) -> Plan:
+        """The plan to run. CacheFlow with stealing on plans ``hedge`` compute-heavy (as if replay were that much
+        cheaper) and predicts with the unbiased optimum: stealing only moves work from compute to the link, so a
+        plan that leaves the link slack absorbs a compute thread slower than predicted, and when it is not
+        slower, the idle link takes the surplus back at run time (ending near the unbiased optimum). A restoration
+        that will run beside decode steps prices its compute at 1 / ``compute_share`` of the profile's (its quanta
+        get that part of the wall clock), so it loads more."""
+        method = method or self.cfg.method
+        reqs = [RestoreRequest(cached - start, seq.num_tokens - cached) for seq, start, cached, _ in picked]
+        self.plan_bandwidth = bw = self.bandwidth(method)
+        longest = max(r.cached_tokens for r in reqs)
+        cost = self.cost(len(reqs), longest)
+        share = self.compute_share()
+        if share < 1.0:  # interleaved with decode steps: its compute gets this part of the wall clock, loads all
+            cost = replace(cost, replay_time=replace(cost.replay_time, scale=cost.replay_time.scale / share),
+                           suffix_overhead=cost.suffix_overhead / share)
+        best = make_plan(method, reqs, cost, bw, self.chunk)
+        if method != "cacheflow" or not self.cfg.steal or self.cfg.hedge == 0.0:
+            return best
+        rt = replace(cost.replay_time, scale=cost.replay_time.scale * (1.0 - self.cfg.hedge))
+        hedged = make_plan(method, reqs, replace(cost, replay_time=rt), bw, self.chunk)
+        best.boundaries = hedged.boundaries
+        best.planning_seconds += hedged.planning_seconds
+        best.method = "cacheflow-hedged"
+        return best
+
+    def _complete(self, f: "_Flight") -> list[RequestOutput]:
+        """A finished run: learn from it, sample first tokens, and start its live requests (aborted ones released)."""
+        eng = self.engine
+        picked, plan, res, seqs = f.picked, f.plan, f.run.result(), f.seqs
         self._learn_overheads(picked, res)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
         if eng.runner.pool is not None:  # compressed pool: compress the full pages just filled
@@ -496,6 +641,9 @@ class Restorer:
         outputs = []
         now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
+            if seq.finished:  # aborted while it was restored
+                eng.scheduler.finish(seq)
+                continue
             eng.scheduler.run_restored(seq)
             out = eng.emit_first_token(seq, tok, now)
             if out is not None:
@@ -564,9 +712,15 @@ class Restorer:
                                                                  plan.predicted_load_seconds),
             stolen_tokens=res.stolen_tokens, load_batches=res.load_batches,
             planned_load_seconds=res.planned_load_seconds, planned_load_bytes=res.planned_load_bytes,
-            layer_recompute_seconds=list(res.layer_recompute_seconds)))
+            layer_recompute_seconds=list(res.layer_recompute_seconds), paused_seconds=res.paused_seconds,
+            advances=res.advances))
 
     def close(self) -> None:
+        f, self._flight = self._flight, None
+        if f is not None:  # the loads stop and are joined before the store closes
+            with contextlib.suppress(Exception):
+                f.run.cancel()
+            f.stack.close()
         if self.writer is not None:
             self.writer.close()
         self.store.close()

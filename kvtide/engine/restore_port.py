@@ -34,6 +34,11 @@ class EnginePort:
         self._positions = self._rows = torch.empty(0)
         self._graph_rows: tuple | None = None  # (layer graph, segments) whose positions its buffer holds
 
+    def reset_plan(self) -> None:
+        """Forget the attention plan: engine steps ran (and planned the backend) since the last layer call of an
+        interleaved restoration (``RestoreRun.advance``)."""
+        self._planned = None
+
     def slots(self, r: int, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end, device=self.device)
         return self._pages[r][pos // self.page_size] * self.page_size + pos % self.page_size

@@ -37,13 +37,17 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # admitted by a restoration still computing their prompts: pages held, not in steps, never preempted
+        self.restoring: list[Sequence] = []
+        # ids of waiting sequences a restoration will take once the one in flight ends: not prefilled meanwhile
+        self.held: set[int] = set()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.restoring)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -80,15 +84,21 @@ class Scheduler:
                 plan.batch.append((seq, n))
                 budget -= n
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        w = 0  # index of the first waiting sequence not held
+        while self.held and w < len(self.waiting) and id(self.waiting[w]) in self.held:
+            w += 1
+        while w < len(self.waiting) and budget > 0 \
+                and len(self.running) + len(self.restoring) < self.config.max_num_seqs:
+            seq = self.waiting[w]
             hits = self.bm.match_prefix(seq)
             computed = len(hits) * self.bm.page_size
             n = min(seq.num_tokens - computed, budget)
             fresh = max(0, -(-(computed + n) // self.bm.page_size) - len(hits))
             if not self.bm.can_admit(hits, fresh, reserve=len(self.running)):
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
+            while self.held and w < len(self.waiting) and id(self.waiting[w]) in self.held:
+                w += 1
             self.bm.admit(seq, hits)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -128,8 +138,9 @@ class Scheduler:
         return list(itertools.islice(self.waiting, n))
 
     def seq_slots_left(self) -> int:
-        """Sequences that may still start running (``SchedulerConfig.max_num_seqs`` less those running)."""
-        return self.config.max_num_seqs - len(self.running)
+        """Sequences that may still start running (``SchedulerConfig.max_num_seqs`` less those running or being
+        restored)."""
+        return self.config.max_num_seqs - len(self.running) - len(self.restoring)
 
     def admit_restored(self, seq: Sequence, hits: list[int], cached: int, pending: int = 0) -> bool:
         """Take waiting ``seq`` out of the queue with prefix hits ``hits`` and pages for all its tokens, for a
@@ -149,6 +160,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.perf_counter()
+        self.restoring.append(seq)
         return True
 
     def run_restored(self, seq: Sequence) -> None:
@@ -156,11 +168,13 @@ class Scheduler:
         and it runs (decodes) from the next step on."""
         seq.num_computed_tokens = seq.num_tokens
         self.bm.commit(seq)
+        self.restoring.remove(seq)
         self.running.append(seq)
 
     def requeue_restored(self, seq: Sequence) -> None:
         """Hand an admitted sequence back (its restoration failed): pages released, at the head of the queue, to
         be prefilled as usual."""
+        self.restoring.remove(seq)
         self.bm.release(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
@@ -179,6 +193,8 @@ class Scheduler:
         """Drop a finished (or aborted) sequence from the queues and release its pages."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.restoring:  # (the restorer's call, once nothing writes its pages any more)
+            self.restoring.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.release(seq)

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -27,7 +27,8 @@ from kvtide.store.zip_entry import BLOCK_SIZE as ZIP_BLOCK_SIZE
 from kvtide.store.zip_entry import ZipEntry
 from kvtide.store.keys import ChunkKey
 
-__all__ = ["LoadConfig", "ModelPort", "RestoreExecutor", "RestoreJob", "RestoreResult", "Segment", "LoadFailure"]
+__all__ = ["LoadConfig", "ModelPort", "RestoreExecutor", "RestoreJob", "RestoreResult", "RestoreRun", "Segment",
+           "LoadFailure"]
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,9 @@ class RestoreResult:
     fallback_requests: list[int] = field(default_factory=list)
     fallback_tokens: int = 0  # positions re-run through every layer by the fallback
     fallback_seconds: float = 0.0
+    # time between ``RestoreRun.advance`` calls (the caller's own work, e.g. decode steps), within total_seconds
+    paused_seconds: float = 0.0
+    advances: int = 0  # advance calls that ran compute work (1 for a blocking run)
 
 
 class _Loads:
@@ -552,81 +556,32 @@ class RestoreExecutor:
         """Restore every job's prefix by its boundaries, prefill its suffix, return last-row logits.
 
         ``profile`` (a LatencyProfile) gets the per-layer recompute times of single-request layers that start
-        at position 0 (that is F(j)) and the observed load bandwidth.
+        at position 0 (that is F(j)) and the observed load bandwidth. Blocking: ``start`` then ``advance(inf)``.
         """
+        r = self.start(jobs, profile)
+        r.advance(math.inf)
+        return r.result()
+
+    def start(self, jobs: Sequence[RestoreJob], profile: Any = None,
+              quantum_cost: "Callable[[Sequence[Segment]], float] | None" = None) -> "RestoreRun":
+        """Begin a restoration that the caller advances by time budgets (``RestoreRun.advance``) between its own
+        work (an engine's decode steps); the loads start now on the I/O thread. ``quantum_cost(segments)``: the
+        predicted seconds of one layer call over those segments, charged against a budget where it exceeds the
+        host time the call took (on CUDA a launch returns long before its kernels end) and used to split a call
+        that alone would exceed the budget."""
+        return RestoreRun(self, jobs, profile, quantum_cost)
+
+    def _compute(self, jobs: Sequence[RestoreJob], st: _Loads, res: RestoreResult, clock: "_Clock",
+                 run: "RestoreRun") -> Iterator[tuple]:
+        """The compute thread's work as a generator: it yields ``("call", predicted seconds)`` before each layer
+        call (or piece of one) and ``("wait", is_ready, block)`` where it needs loads that are not in yet; it
+        returns (staircase marks, suffix marks, suffix start mark) in ``run.marks`` when the logits are made."""
         port = self.port
-        L = port.num_layers
-        for job in jobs:
-            job.validate(L, self.chunk)
-        cuda = port.device.type == "cuda"
-        if cuda:  # page tables and slots the I/O stream reads were made on this stream
-            torch.cuda.current_stream(port.device).synchronize()
-        t0 = time.perf_counter()
-        st = _Loads(L, port.device, jobs)
-        io = threading.Thread(target=self._load_all, args=(jobs, st), name="kvtide-restore-io", daemon=True)
-        io.start()
-        res = RestoreResult(logits=torch.empty(0))
-        clock = _Clock(port.device)
+        cuda = clock.cuda
+        stair: list = []
         try:
-            stair = self._staircase(jobs, st, res, clock)
-            hs, alive, suffix_marks, suffix_start = self._suffix(jobs, st, res, clock)
-        except BaseException:
-            st.stop.set()
-            io.join()
-            raise
-        io.join()
-        if st.crash is not None:
-            raise RuntimeError("restore I/O thread failed outside a load") from st.crash
-        res.failures = list(st.failures)
-        res.load_bytes, res.loaded_entries, res.loaded_tokens = st.bytes, st.entries, st.tokens
-        res.load_batches, res.link_wait_seconds, res.stolen_tokens = st.batches, st.link_wait, st.stolen
-        res.boundaries = [list(b) for b in st.bounds]
-        loads = any(j.boundaries[-1] < j.cached for j in jobs)
-        res.load_seconds = max(0.0, st.t_end - st.t_start) if loads else 0.0
-        res.planned_load_seconds = max(0.0, st.t_planned - st.t_start) if loads else 0.0
-        res.planned_load_bytes = st.planned_bytes
-
-        last: dict[int, torch.Tensor] = {}
-        if alive:
-            ends = torch.tensor(_row_ends([jobs[r].total - jobs[r].cached for r in alive]), device=hs.device) - 1
-            for r, row in zip(alive, hs.index_select(0, ends)):
-                last[r] = row
-        bad = sorted(set(range(len(jobs))) - set(alive))
-        if bad:
-            last.update(self._fallback(jobs, bad, st.failures, res, cuda))
-        rows = torch.stack([last[r] for r in range(len(jobs))])
-        res.logits = port.logits(rows)
-        if cuda:
-            torch.cuda.current_stream(port.device).synchronize()
-        res.total_seconds = time.perf_counter() - t0
-        self._times(jobs, res, clock, stair, suffix_start, suffix_marks, profile)
-        if profile is not None and res.planned_load_bytes and res.planned_load_seconds > 0:
-            profile.observe_load(res.planned_load_bytes, res.planned_load_seconds, overlapped=res.recompute_seconds > 0)
-        return res
-
-    def _times(self, jobs: Sequence[RestoreJob], res: RestoreResult, clock: "_Clock", stair: list,
-               suffix_start: Any, suffix_marks: list, profile: Any) -> None:
-        """Per-layer recompute, suffix and wait times from the marks (CUDA events are read here, once)."""
-        res.layer_recompute_seconds = [clock.between(a, b) for a, b, _ in stair]
-        res.recompute_seconds = clock.between(stair[0][0], stair[-1][1]) if stair else 0.0
-        res.suffix_layer_seconds = [clock.between(a, b) for a, b in suffix_marks]
-        res.suffix_seconds = sum(res.suffix_layer_seconds)
-        if suffix_marks:
-            span = clock.between(suffix_start, suffix_marks[-1][1])
-            res.wait_seconds = max(0.0, span - res.suffix_seconds)
-        busy = res.recompute_seconds + res.suffix_seconds + res.wait_seconds + res.fallback_seconds
-        res.overhead_seconds = max(0.0, res.total_seconds - busy)
-        if profile is not None:
-            for (_, _, segs), dt in zip(stair, res.layer_recompute_seconds):
-                if len(segs) == 1 and segs[0].start == 0 and dt > 0:
-                    getattr(profile, "observe_call", profile.observe)(segs[0].end, dt)
-
-    def _staircase(self, jobs: Sequence[RestoreJob], st: _Loads, res: RestoreResult, clock: "_Clock") -> list:
-        port = self.port
-        h: torch.Tensor | None = None
-        prev: list[Segment] = []
-        marks = []
-        try:
+            h: torch.Tensor | None = None
+            prev: list[Segment] = []
             for layer in range(port.num_layers):
                 with st.lock:  # claim the layer: from now on its boundary is fixed
                     st.claimed = layer
@@ -634,40 +589,35 @@ class RestoreExecutor:
                             if st.bounds[r][layer] > j.start]
                 if not segs:
                     break
-                h = self._stair_layer(layer, h, prev, segs, res, clock, marks)
+                if h is not None:
+                    h = _keep_rows(h, prev, segs)
+                h = yield from run.call(layer, h, segs)
+                stair.append((run.last_marks, segs))
+                res.recomputed_tokens += sum(s.length for s in segs)
                 prev = segs
         finally:
             with st.lock:
                 st.claimed = port.num_layers
             st.stair_done.set()
-        return marks
 
-    def _stair_layer(self, layer: int, h: torch.Tensor | None, prev: list[Segment], segs: list[Segment],
-                     res: RestoreResult, clock: "_Clock", marks: list) -> torch.Tensor:
-        if h is not None:
-            h = _keep_rows(h, prev, segs)
-        a = clock.mark()
-        h = self.port.run_layer(layer, h, segs)
-        marks.append((a, clock.mark(), segs))
-        res.recomputed_tokens += sum(s.length for s in segs)
-        return h
-
-    def _suffix(
-        self, jobs: Sequence[RestoreJob], st: _Loads, res: RestoreResult, clock: "_Clock"
-    ) -> tuple[torch.Tensor | None, list[int], list, Any]:
-        port = self.port
         alive = list(range(len(jobs)))
-        h: torch.Tensor | None = None
+        h = None
         marks: list = []
         start = clock.mark()
-        with st.steal_lock:  # no steal starts after the staircase; wait for the one in flight, if any
+        paused = run.paused_seconds
+        # no steal starts after the staircase; wait for the one in flight, if any
+        if st.steal_lock.locked():
+            yield ("wait", lambda: not st.steal_lock.locked(), lambda: st.steal_lock.acquire() and
+                   st.steal_lock.release())
+        with st.steal_lock:
             pass
-        if clock.cuda and st.steal_event is not None:
+        if cuda and st.steal_event is not None:
             torch.cuda.current_stream(port.device).wait_event(st.steal_event)
         for layer in range(port.num_layers):
             paced = not st.ready[layer].is_set()
-            st.ready[layer].wait()
-            if clock.cuda and st.cuda_events[layer] is not None:
+            if paced:
+                yield ("wait", st.ready[layer].is_set, st.ready[layer].wait)
+            if cuda and st.cuda_events[layer] is not None:
                 torch.cuda.current_stream(port.device).wait_event(st.cuda_events[layer])
             with st.lock:
                 failed = set(st.failed_requests)
@@ -679,30 +629,254 @@ class RestoreExecutor:
                     h = _keep_rows(h, old, new) if keep else None
                 alive = keep
             if not alive:
-                return None, [], marks, start
-            a = clock.mark()
-            h = port.run_layer(layer, h, [Segment(r, jobs[r].cached, jobs[r].total) for r in alive])
-            marks.append((a, clock.mark()))
+                break
+            h = yield from run.call(layer, h, [Segment(r, jobs[r].cached, jobs[r].total) for r in alive])
+            marks.append(run.last_marks)
             res.suffix_layer_paced.append(paced)
-        return h, alive, marks, start
+        if not alive:
+            h = None
+        run.marks = (stair, marks, start, run.paused_seconds - paused)
+        yield ("wait", run.io_done, run.join_io)  # the loads' end (their failures decide the fallback)
+
+        last: dict[int, torch.Tensor] = {}
+        if alive:
+            ends = torch.tensor(_row_ends([jobs[r].total - jobs[r].cached for r in alive]), device=h.device) - 1
+            for r, row in zip(alive, h.index_select(0, ends)):
+                last[r] = row
+        bad = sorted(set(range(len(jobs))) - set(alive))
+        if bad:
+            rows = yield from self._fallback(jobs, bad, st.failures, res, cuda, run)
+            last.update(rows)
+        res.logits = port.logits(torch.stack([last[r] for r in range(len(jobs))]))
+
+    def _times(self, jobs: Sequence[RestoreJob], res: RestoreResult, clock: "_Clock", stair: list,
+               suffix_start: Any, suffix_marks: list, profile: Any, suffix_paused: float = 0.0) -> None:
+        """Per-layer recompute, suffix and wait times from the marks (CUDA events are read here, once). A layer
+        call is one mark pair, or one per row slice; spans that held the caller's own work between advances
+        (``paused_seconds``) are counted without it: sums of calls, waits less the pauses."""
+        layer_time = lambda ms: sum(clock.between(a, b) for a, b in ms)  # noqa: E731
+        res.layer_recompute_seconds = [layer_time(ms) for ms, _ in stair]
+        if not stair:
+            res.recompute_seconds = 0.0
+        elif res.paused_seconds:
+            res.recompute_seconds = sum(res.layer_recompute_seconds)
+        else:
+            res.recompute_seconds = clock.between(stair[0][0][0][0], stair[-1][0][-1][1])
+        res.suffix_layer_seconds = [layer_time(ms) for ms in suffix_marks]
+        res.suffix_seconds = sum(res.suffix_layer_seconds)
+        if suffix_marks:
+            span = clock.between(suffix_start, suffix_marks[-1][-1][1])
+            res.wait_seconds = max(0.0, span - res.suffix_seconds - suffix_paused)
+        busy = res.recompute_seconds + res.suffix_seconds + res.wait_seconds + res.fallback_seconds
+        res.overhead_seconds = max(0.0, res.total_seconds - busy - res.paused_seconds)
+        if profile is not None:
+            for (ms, segs), dt in zip(stair, res.layer_recompute_seconds):
+                if len(ms) == 1 and len(segs) == 1 and segs[0].start == 0 and dt > 0:
+                    getattr(profile, "observe_call", profile.observe)(segs[0].end, dt)
 
     def _fallback(
-        self, jobs: Sequence[RestoreJob], bad: list[int], failures: list[LoadFailure], res: RestoreResult, cuda: bool
-    ) -> dict[int, torch.Tensor]:
-        """Recompute [m, total) through every layer, m = first position that failed to load."""
+        self, jobs: Sequence[RestoreJob], bad: list[int], failures: list[LoadFailure], res: RestoreResult, cuda: bool,
+        run: "RestoreRun",
+    ) -> Iterator[tuple]:
+        """Recompute [m, total) through every layer, m = first position that failed to load (a generator like
+        ``_compute``; returns the last row of each request)."""
         t = time.perf_counter()
+        paused = run.paused_seconds
         first = {r: min(f.position for f in failures if f.request == r) for r in bad}
         segs = [Segment(r, max(jobs[r].start, first[r]), jobs[r].total) for r in bad]
         h = None
         for layer in range(self.port.num_layers):
-            h = self.port.run_layer(layer, h, segs)
+            h = yield from run.call(layer, h, segs)
         if cuda:
             torch.cuda.current_stream(self.port.device).synchronize()
         ends = torch.tensor(_row_ends([s.length for s in segs]), device=h.device) - 1
         res.fallback_requests = bad
         res.fallback_tokens = sum(s.length for s in segs)
-        res.fallback_seconds = time.perf_counter() - t
+        res.fallback_seconds = time.perf_counter() - t - (run.paused_seconds - paused)
         return {r: row for r, row in zip(bad, h.index_select(0, ends))}
+
+
+class RestoreRun:
+    """A restoration in flight (``RestoreExecutor.start``): the I/O thread loads in the background while the caller
+    runs the compute side in quanta, one layer call (or a row slice of one) at a time, by ``advance(budget_s)``.
+
+    ``advance(math.inf)`` is the blocking executor: it runs every quantum, waiting for loads where the suffix needs
+    them, in exactly the order and shapes of the one-shot run. A finite budget never waits for loads (it returns and
+    is called again), stops before a quantum that would overrun the budget (after at least one), and splits a layer
+    call whose predicted cost exceeds the whole budget into row slices (causal attention over the pages makes a
+    slice the same computation as chunked prefill). Between advances the caller may run other work on the same
+    thread and stream (ordering on the compute stream is kept), but must not touch the restoring sequences' pages.
+    """
+
+    def __init__(self, ex: RestoreExecutor, jobs: Sequence[RestoreJob], profile: Any,
+                 quantum_cost: Callable[[Sequence[Segment]], float] | None) -> None:
+        port = ex.port
+        for job in jobs:
+            job.validate(port.num_layers, ex.chunk)
+        self.ex, self.jobs, self.profile, self.quantum_cost = ex, list(jobs), profile, quantum_cost
+        self.cuda = port.device.type == "cuda"
+        if self.cuda:  # page tables and slots the I/O stream reads were made on this stream
+            torch.cuda.current_stream(port.device).synchronize()
+        self.t0 = time.perf_counter()
+        self.st = _Loads(port.num_layers, port.device, jobs)
+        self.io = threading.Thread(target=ex._load_all, args=(jobs, self.st), name="kvtide-restore-io", daemon=True)
+        self.io.start()
+        self.res = RestoreResult(logits=torch.empty(0))
+        self.clock = _Clock(port.device)
+        self.marks: tuple = ([], [], None, 0.0)
+        self.last_marks: list = []  # (start, end) marks of the pieces of the latest layer call
+        self.paused_seconds = 0.0
+        self.done = False
+        self._budget = math.inf
+        self._left_at: float | None = None
+        self._item: tuple = ("call", 0.0)  # what the generator asked for last, not acted on yet
+        self._ratios: deque[float] = deque(maxlen=8)  # host time / predicted cost of recent quanta
+        self._gen = ex._compute(self.jobs, self.st, self.res, self.clock, self)
+
+    # ---- helpers for the compute generator
+    def io_done(self) -> bool:
+        return not self.io.is_alive()
+
+    def join_io(self) -> None:
+        self.io.join()
+
+    def call(self, layer: int, h: torch.Tensor | None, segs: list[Segment]) -> Iterator[tuple]:
+        """One layer call over ``segs`` as quanta: whole, or in row slices when a finite budget is too small for it."""
+        cost = self.quantum_cost(segs) * self._correction() if self.quantum_cost is not None else 0.0
+        pieces = 1 if not math.isfinite(self._budget) or self._budget <= 0 else math.ceil(cost / self._budget)
+        rows = sum(s.length for s in segs)
+        clock = self.clock
+        if pieces <= 1 or rows < 2:
+            yield ("call", cost)
+            a = clock.mark()
+            h = self.ex.port.run_layer(layer, h, segs)
+            self.last_marks = [(a, clock.mark())]
+            return h
+        outs, marks = [], []
+        o = 0
+        for part in _slice_rows(segs, min(pieces, rows)):
+            n = sum(s.length for s in part)
+            yield ("call", cost * n / rows)
+            x = h[o:o + n] if h is not None else None
+            a = clock.mark()
+            outs.append(self.ex.port.run_layer(layer, x, part).clone())  # layer graphs return their own buffer
+            marks.append((a, clock.mark()))
+            o += n
+        self.last_marks = marks
+        return torch.cat(outs)
+
+    def _correction(self) -> float:
+        """How much longer than predicted recent quanta took on the host (>= 1; on CUDA a launch returns early, so
+        host time only ever says a quantum was longer, never shorter): slices are cut to what calls really take."""
+        if not self._ratios:
+            return 1.0
+        return max(1.0, float(sorted(self._ratios)[len(self._ratios) // 2]))
+
+    # ---- the caller's side
+    def advance(self, budget_s: float) -> bool:
+        """Run compute quanta for about ``budget_s`` seconds (at least one if one can run); True once restored."""
+        if self.done:
+            return True
+        if not budget_s >= 0:
+            raise ValueError(f"budget_s must be >= 0, got {budget_s!r}")
+        now = time.perf_counter()
+        if self._left_at is not None:
+            self.paused_seconds += now - self._left_at
+        reset = getattr(self.ex.port, "reset_plan", None)  # other work may have planned the attention backend
+        if reset is not None and self._left_at is not None:
+            reset()
+        self._budget = budget_s
+        self.res.advances += 1
+        spent = 0.0
+        try:
+            while True:
+                kind = self._item[0]
+                charge = 0.0
+                if kind == "wait":
+                    _, ready, block = self._item
+                    if not ready():
+                        if math.isfinite(budget_s):
+                            break
+                        block()
+                else:
+                    charge = self._item[1]
+                    if spent > 0 and spent + charge > budget_s:
+                        break
+                t = time.perf_counter()
+                try:
+                    self._item = next(self._gen)
+                except StopIteration:
+                    self._finish()
+                    return True
+                took = time.perf_counter() - t
+                if charge > 0:
+                    self._ratios.append(took / charge)
+                spent += max(took, charge)
+        except BaseException:
+            self.cancel()
+            raise
+        self._left_at = time.perf_counter()
+        return False
+
+    def cancel(self) -> None:
+        """Stop: the I/O thread ends after the fetch in flight and is joined, so no load writes pages afterwards."""
+        self.st.stop.set()
+        self._gen.close()
+        self.io.join()
+        if self.cuda:
+            torch.cuda.current_stream(self.ex.port.device).synchronize()
+        self.done = True
+
+    def result(self) -> RestoreResult:
+        if not self.done:
+            raise RuntimeError("the restoration has not finished: advance it until it returns True")
+        return self.res
+
+    def _finish(self) -> None:
+        ex, st, res = self.ex, self.st, self.res
+        self.io.join()
+        if st.crash is not None:
+            raise RuntimeError("restore I/O thread failed outside a load") from st.crash
+        res.failures = list(st.failures)
+        res.load_bytes, res.loaded_entries, res.loaded_tokens = st.bytes, st.entries, st.tokens
+        res.load_batches, res.link_wait_seconds, res.stolen_tokens = st.batches, st.link_wait, st.stolen
+        res.boundaries = [list(b) for b in st.bounds]
+        jobs = self.jobs
+        loads = any(j.boundaries[-1] < j.cached for j in jobs)
+        res.load_seconds = max(0.0, st.t_end - st.t_start) if loads else 0.0
+        res.planned_load_seconds = max(0.0, st.t_planned - st.t_start) if loads else 0.0
+        res.planned_load_bytes = st.planned_bytes
+        if self.cuda:
+            torch.cuda.current_stream(ex.port.device).synchronize()
+        res.total_seconds = time.perf_counter() - self.t0
+        res.paused_seconds = self.paused_seconds
+        stair, marks, start, suffix_paused = self.marks
+        ex._times(jobs, res, self.clock, stair, start, marks, self.profile, suffix_paused)
+        if self.profile is not None and res.planned_load_bytes and res.planned_load_seconds > 0:
+            self.profile.observe_load(res.planned_load_bytes, res.planned_load_seconds,
+                                      overlapped=res.recompute_seconds > 0)
+        self.done = True
+
+
+def _slice_rows(segs: Sequence[Segment], pieces: int) -> list[list[Segment]]:
+    """``segs``' rows (in order) cut into ``pieces`` runs of near-equal length, each a list of sub-segments."""
+    total = sum(s.length for s in segs)
+    cuts = [total * k // pieces for k in range(1, pieces + 1)]
+    out: list[list[Segment]] = []
+    cur: list[Segment] = []
+    o, k = 0, 0
+    for s in segs:
+        a = s.start
+        while a < s.end:
+            take = min(s.end - a, cuts[k] - o)
+            cur.append(Segment(s.request, a, a + take))
+            a += take
+            o += take
+            if o == cuts[k]:
+                out.append(cur)
+                cur = []
+                k += 1
+    return [p for p in out if p]
 
 
 def _nbytes(kv: "torch.Tensor | ZipEntry") -> int:
