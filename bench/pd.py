@@ -287,16 +287,21 @@ def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: l
                             "no-bandwidth-correction": OnlineController(profiles, OnlineConfig())}
     out: dict[str, Any] = {"nominal_gbps": seq, "arms": {}}
     decide_us: list[float] = []
-    for name, ctl in arms.items():
-        jcts, chosen, measured = [], [], None
-        t_arm = time.perf_counter()
-        for i, g in enumerate(seq):
-            bw = gbps_bytes(g * factor)
-            cluster.set_link(g * factor)
+    names = list(arms)
+    state = {n: {"jcts": [], "profiles": [], "measured": None, "seconds": 0.0} for n in names}
+    # Arms interleaved per request, in an order rotated each request: drift of the machine (and of the servers'
+    # own state) falls on every arm alike. The servers' bandwidth estimate sees every arm's transfers (one link).
+    for i, g in enumerate(seq):
+        bw = gbps_bytes(g * factor)
+        cluster.set_link(g * factor)
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            ctl, s = arms[name], state[name]
+            t_arm = time.perf_counter()
             kv: dict[str, Any] = {"min_quality": a.min_quality}
             d = None
             if ctl is not None:
-                assumed = bw if name == "oracle" else guess if name == "no-bandwidth-model" else (measured or guess)
+                assumed = bw if name == "oracle" else guess if name == "no-bandwidth-model" else (s["measured"] or guess)
                 t0 = time.perf_counter()
                 d = ctl.decide(assumed, volume, None, a.min_quality)
                 decide_us.append((time.perf_counter() - t0) * 1e6)
@@ -304,13 +309,16 @@ def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: l
             r = cluster.run(prompts.fresh(i), kv)
             if d is not None and name != "no-bandwidth-correction":
                 ctl.observe(d, r["handoff"])
-            measured = r["wire_bytes"] / r["transfer"] if r["transfer"] > 0 else measured
-            jcts.append(r["jct"])
-            chosen.append(r["profile"])
-        out["arms"][name] = {"mean_jct": statistics.fmean(jcts), "jcts": jcts, "profiles": chosen,
-                             "seconds": time.perf_counter() - t_arm}
-        print(f"trace {name:24s}: mean JCT {statistics.fmean(jcts):.3f} s over {len(jcts)} requests "
-              f"({out['arms'][name]['seconds']:.0f} s)", flush=True)
+            s["measured"] = r["wire_bytes"] / r["transfer"] if r["transfer"] > 0 else s["measured"]
+            s["jcts"].append(r["jct"])
+            s["profiles"].append(r["profile"])
+            s["seconds"] += time.perf_counter() - t_arm
+    for name in names:
+        s = state[name]
+        out["arms"][name] = {"mean_jct": statistics.fmean(s["jcts"]), "jcts": s["jcts"], "profiles": s["profiles"],
+                             "seconds": s["seconds"]}
+        print(f"trace {name:24s}: mean JCT {out['arms'][name]['mean_jct']:.3f} s over {len(s['jcts'])} requests "
+              f"({s['seconds']:.0f} s)", flush=True)
     o = out["arms"]["oracle"]["mean_jct"]
     out["controller_over_oracle"] = out["arms"]["controller"]["mean_jct"] / o
     out["decide_us_p99"] = sorted(decide_us)[int(0.99 * (len(decide_us) - 1))] if decide_us else None

@@ -13,9 +13,10 @@ skipped and listed). The link is a token bucket on the store's load path (kvtide
 
 Trace load: a closed-loop run of the same requests under recompute-only (all arriving at once; the second of two,
 the first pays one-off costs) measures its saturation throughput mu; the trace's arrival pattern is then stretched
-so the offered rate is ``--load`` x mu (``--extra-loads``: more rates, first link). Every method replays the same
-arrivals from the same store snapshot, and on CUDA decodes through the same CUDA graphs (``--no-cuda-graphs`` for
-eager decode steps); ``--trace-reps`` replays each method more than once, interleaved, and the goals take medians.
+so the offered rate is ``--load`` x mu (default 0.9; ``--extra-loads``, default 0.7 and 1.0: more rates, first link).
+Every method replays the same arrivals from the same store snapshot, and on CUDA decodes through the same CUDA graphs
+(``--no-cuda-graphs`` for eager decode steps); ``--trace-reps`` (default 3) replays every cell, reps outermost, and
+the goals take medians over reps with the per-rep ratios beside them (64 requests by default).
 The goals also hold the trace's service-time bound (``service_bound``): how much faster than recompute-only any
 overlap of compute and link could serve the same restorations, before queueing multiplies it.
 
@@ -316,25 +317,25 @@ class Bench:
                                                      for q in reqs),
                "mean_output_tokens": statistics.mean(q.output for q in reqs),
                "runs": [], "load_sweep": [], "skipped": []}
-        for rep in range(a.trace_reps):  # reps outermost: drift of the machine spreads over every method alike
-            for g, label in links:
-                for m in a.trace_methods:
-                    if time.perf_counter() > deadline:
-                        out["skipped"].append({"gbps": g, "method": m, "rep": rep, "why": "deadline"})
-                        continue
-                    out["runs"].append({**self.replay_method(reqs, snapshot, g, label, m, stretch, bar), "rep": rep})
-        # Other offered loads (same requests, same store snapshot, arrivals stretched for each), first link only:
-        # how the gain grows as the recompute-only baseline nears and passes its saturation.
-        g, label = links[0]
-        for load in a.extra_loads or []:
-            st = (len(reqs) - 1) / (span * load * mu)
-            for m in a.extra_load_methods:
-                if time.perf_counter() > deadline:
-                    out["skipped"].append({"gbps": g, "method": m, "load": load, "why": "deadline"})
-                    continue
-                r = self.replay_method(reqs, snapshot, g, label, m, st, bar)
-                r.update(offered_load=load, offered_req_per_s=load * mu, stretch=st)
-                out["load_sweep"].append(r)
+        # Reps outermost, then offered loads, links, methods: drift of the machine spreads over every cell alike.
+        # The other loads (--extra-loads) run at the first link; recompute-only loads nothing, so its run at the
+        # first link stands for every link.
+        first = links[0][0]
+        for rep in range(a.trace_reps):
+            for load in [a.load] + list(a.extra_loads or []):
+                main = load == a.load
+                st = (len(reqs) - 1) / (span * load * mu)
+                for g, label in (links if main else links[:1]):
+                    for m in (a.extra_load_methods if not main else a.trace_methods if g == first
+                              else a.link_methods or a.trace_methods):
+                        if m == "recompute" and g != first:
+                            continue
+                        if time.perf_counter() > deadline:
+                            out["skipped"].append({"gbps": g, "method": m, "rep": rep, "load": load, "why": "deadline"})
+                            continue
+                        r = self.replay_method(reqs, snapshot, g, label, m, st, bar)
+                        r.update(rep=rep, offered_load=load, offered_req_per_s=load * mu, stretch=st)
+                        out["runs" if main else "load_sweep"].append(r)
         return out
 
     def replay_method(self, reqs, snapshot, g: float, label: str, m: str, stretch: float, bar) -> dict:
@@ -504,6 +505,12 @@ def service_bound(trace: dict, bytes_per_token_layer: float, layers: int) -> dic
     return out
 
 
+def _paired(cacheflow: list[dict], other: list[dict]) -> list[float]:
+    """Per rep: the other method's mean TTFT over CacheFlow's (same rep, same machine state)."""
+    o = {r["rep"]: r["mean_s"] for r in other}
+    return [o[r["rep"]] / r["mean_s"] for r in cacheflow if r["rep"] in o]
+
+
 def _by_method(runs: list[dict], link: str) -> dict[str, list[dict]]:
     """A link's trace runs per method (one per --trace-reps), in method order."""
     by: dict[str, list[dict]] = {}
@@ -531,32 +538,48 @@ def goals(rows: list[dict], summary: list[dict], trace: dict | None, layers: int
     }
     if trace is not None:
         c = {}
+        recompute_runs = [r for r in trace["runs"] if r["method"] == "recompute"]
         for link in sorted({r["link"] for r in trace["runs"]}):
             by = _by_method(trace["runs"], link)
+            if "recompute" not in by and recompute_runs:  # it loads nothing: one link's run stands for all
+                by["recompute"] = recompute_runs
             mean = {m: statistics.median(r["mean_s"] for r in rs) for m, rs in by.items()}  # median over reps
             singles = [m for m in ("recompute", "load") if m in mean]
             if "cacheflow" not in mean or not singles:
                 continue
             best = min(mean[m] for m in singles)
-            c[link] = {"mean_ttft_s": mean, "best_single_of": singles,
+            c[link] = {"gbps": by["cacheflow"][0]["gbps"], "mean_ttft_s": mean, "best_single_of": singles,
                        "gain_over_best_single": best / mean["cacheflow"],
                        "gain_over_cake": (mean["cake"] / mean["cacheflow"]) if "cake" in mean else None}
             if max(len(rs) for rs in by.values()) > 1:
                 c[link]["mean_ttft_s_by_rep"] = {m: [r["mean_s"] for r in rs] for m, rs in by.items()}
+                c[link]["gain_over_recompute_by_rep"] = _paired(by["cacheflow"], by.get("recompute", []))
                 if "cake" in by:  # same rep, same machine state: the pairwise ratio
-                    cake = {r["rep"]: r["mean_s"] for r in by["cake"]}
-                    c[link]["gain_over_cake_by_rep"] = [cake[r["rep"]] / r["mean_s"] for r in by["cacheflow"]
-                                                        if r["rep"] in cake]
+                    c[link]["gain_over_cake_by_rep"] = _paired(by["cacheflow"], by["cake"])
         g["c_trace"] = c
         if bytes_per_token_layer:
             g["c_trace_service_bound"] = service_bound(trace, bytes_per_token_layer, layers)
+        # CacheFlow's median mean TTFT per link, slowest link first: a faster link must not be slower (the ratio of
+        # each link's figure to the previous one; > 1 beyond the reps' spread would be a miss)
+        cf = sorted((v["gbps"], v["mean_ttft_s"]["cacheflow"]) for v in c.values())
+        g["c_trace_cacheflow_by_gbps"] = {f"{x:g}": t for x, t in cf}
+        g["c_trace_faster_link_over_slower"] = [b[1] / a_[1] for a_, b in zip(cf, cf[1:])]
         sweep: dict = {}
-        for r in trace.get("load_sweep", []):
-            sweep.setdefault(f"{r['offered_load']:g}", {})[r["method"]] = r["mean_s"]
-        g["c_trace_load_sweep_mean_ttft_s"] = sweep
-        g["c_trace_load_sweep_gain_over_best_single"] = {
-            k: min(v[m] for m in ("recompute", "load") if m in v) / v["cacheflow"]
-            for k, v in sweep.items() if "cacheflow" in v and ("recompute" in v or "load" in v)}
+        for load in sorted({r["offered_load"] for r in trace.get("load_sweep", [])} | {trace["offered_load"]}):
+            rows_l = [r for r in trace.get("load_sweep", []) if r["offered_load"] == load] or \
+                [r for r in trace["runs"] if r["gbps"] == trace["runs"][0]["gbps"]]
+            by: dict[str, list[dict]] = {}
+            for r in rows_l:
+                by.setdefault(r["method"], []).append(r)
+            med = {m: statistics.median(r["mean_s"] for r in rs) for m, rs in by.items()}
+            row = {"mean_ttft_s": med}
+            if "cacheflow" in med and ("recompute" in med or "load" in med):
+                row["gain_over_best_single"] = min(med[m] for m in ("recompute", "load") if m in med) / med["cacheflow"]
+                row["gain_over_recompute_by_rep"] = _paired(by["cacheflow"], by.get("recompute", []))
+            if "cacheflow" in med and "cake" in med:
+                row["gain_over_cake_by_rep"] = _paired(by["cacheflow"], by["cake"])
+            sweep[f"{load:g}"] = row
+        g["c_trace_by_load"] = sweep
         fr = [x["planning_s"] / x["restore_s"] for r in trace["runs"] if r["method"] == "cacheflow"
               for x in r["restorations_detail"] if x["restore_s"] > 0]
         g["d_trace_planning_fraction_of_restore_median"] = statistics.median(fr) if fr else None
@@ -643,11 +666,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-entry-writes", action="store_true",
                     help="A/B: place every loaded entry with its own page writes (the executor before runs of whole "
                          "chunks went in one write each)")
-    ap.add_argument("--trace-reps", type=int, default=1,
+    ap.add_argument("--link-methods", nargs="+", default=None, choices=ORDER,
+                    help="methods replayed at the links after the first (default: --trace-methods)")
+    ap.add_argument("--trace-reps", type=int, default=3,
                     help="replays of every --trace-methods run (interleaved); goals take the median per method")
-    ap.add_argument("--extra-loads", type=float, nargs="*", default=None,
+    ap.add_argument("--extra-loads", type=float, nargs="*", default=[0.7, 1.0],
                     help="also replay the trace at these offered loads (x recompute-only saturation), first link")
-    ap.add_argument("--extra-load-methods", nargs="*", default=["cacheflow", "recompute", "load", "cake"],
+    ap.add_argument("--extra-load-methods", nargs="*", default=["cacheflow", "recompute", "cake"],
                     choices=ORDER, help="methods replayed at --extra-loads")
     ap.add_argument("--trace-ratio", type=float, default=2.56,
                     help="CPU trace link = B* / this (T_load/T_recompute of Llama-8B shape on an H200 at 10 Gbps)")
@@ -702,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         "batches": ([1], [1, 4], [1, 4, 8], [1, 4, 8]),
         "reps": (3, 3, 2, 5),
         "chunk": (32, 32, 512, 512),
-        "requests": (40, 48, 16, 48),
+        "requests": (64, 96, 64, 96),
         "block_tokens": (16, 16, 512, 512),
         "max_input": (512, 768, 16384, 32768),
         "max_output": (8, 8, 16, 32),
@@ -764,7 +789,9 @@ def main(argv: list[str] | None = None) -> int:
         if full:
             links.append((round(bs, 5), "balance B*"))
     n_iso = 0 if a.no_isolated else len(a.lengths) * len(a.bandwidths) * len(a.batches) * len(ORDER) * a.reps
-    n_tr = 0 if a.no_trace else (len(links) * len(a.trace_methods) * a.trace_reps + len(a.extra_loads or []) * len(a.extra_load_methods)) * a.requests
+    later = [m for m in (a.link_methods or a.trace_methods) if m != "recompute"]
+    n_tr = 0 if a.no_trace else (len(a.trace_methods) + (len(links) - 1) * len(later)
+                                 + len(a.extra_loads or []) * len(a.extra_load_methods)) * a.trace_reps * a.requests
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=con, disable=a.no_progress) as prog:
         t1 = prog.add_task("isolated restorations", total=n_iso)

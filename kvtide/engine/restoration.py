@@ -351,14 +351,25 @@ class Restorer:
             self._known.popitem(last=False)
 
     def bandwidth(self, method: str | None = None) -> float:
-        """Bytes/s the planner assumes: measured loads first (those that ran beside a replay, except for a
-        load-only plan, which has none beside it), else the emulated link, else a guess."""
-        measured = self.profile.bandwidth_for((method or self.cfg.method) != "load")
-        if measured is not None:
-            return measured
+        """Bytes/s the planner assumes: the least of what is known of the load's rate. Measured loads over this
+        link (those that ran beside a replay, except for a load-only plan, which has none beside it); the emulated
+        link's rate; the measured rate of the load path of this tier and codec (learned across link changes: a link
+        faster than the path cannot make the loads faster, so a plan never assumes more); else a guess."""
+        overlapped = (method or self.cfg.method) != "load"
+        known = [self.profile.bandwidth_for(overlapped), self.profile.path_bandwidth_for(self.tier, overlapped)]
         if self.cfg.bandwidth_gbps is not None:
-            return gbps(self.cfg.bandwidth_gbps)
-        return DEFAULT_BANDWIDTH
+            known.append(gbps(self.cfg.bandwidth_gbps))
+        known = [x for x in known if x is not None]
+        return min(known) if known else DEFAULT_BANDWIDTH
+
+    @property
+    def tier(self) -> str:
+        """The load path's identity for its rate estimate: the innermost store's kind and the entries' codec
+        (wrappers such as an emulated link or a breaker do not change the path)."""
+        s = self.store
+        while hasattr(s, "inner"):
+            s = s.inner
+        return f"{type(s).__name__}/{self.cfg.store_codec or 'plain'}"
 
     def replay_time(self, batch: int = 1, scaled: bool = True, tokens: int | None = None) -> ExecutorReplayTime:
         """F as the executor pays it for a batch (shared layer calls; measured/modelled compute scale). ``tokens``:
@@ -633,6 +644,9 @@ class Restorer:
         eng = self.engine
         picked, plan, res, seqs = f.picked, f.plan, f.run.result(), f.seqs
         self._learn_overheads(picked, res)
+        if res.load_bytes and res.load_seconds > res.link_wait_seconds:
+            self.profile.observe_path(self.tier, res.load_bytes, res.load_seconds - res.link_wait_seconds,
+                                      overlapped=res.recompute_seconds > 0)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
         if eng.runner.pool is not None:  # compressed pool: compress the full pages just filled
             p = eng.runner.page_size

@@ -184,6 +184,9 @@ class LatencyProfile:
         self._buckets: dict[int, deque[tuple[int, float, int]]] = {}  # (tokens, s per block, from a prefill)
         self._bandwidth: float | None = None  # loads with no replay beside them (load-only plans)
         self._bandwidth_overlap: float | None = None  # loads while the compute side replayed (hybrid plans)
+        # the load path's own rate per (tier, overlapped): bytes over the seconds a load worked, link waits excluded.
+        # Kept across link changes (reset_bandwidth): it belongs to the tier and codec, not to the link.
+        self._path: dict[tuple[str, bool], float] = {}
         self._load_observations = 0
         n = self.config.overhead_window
         self._suffix_pairs: deque[tuple[float, float]] = deque(maxlen=2 * n)  # (modelled, measured) per block
@@ -249,6 +252,27 @@ class LatencyProfile:
             else:
                 self._bandwidth = bw if self._bandwidth is None else a * bw + (1 - a) * self._bandwidth
             self._load_observations += 1
+
+    def observe_path(self, tier: str, nbytes: float, seconds: float, overlapped: bool = False) -> None:
+        """A load of ``nbytes`` whose path (fetch, verify, decode, copy) worked ``seconds``: its time less the time
+        spent waiting for the link. The rate the tier and codec deliver where the link is not the bottleneck, so a
+        plan at a faster link than the path can carry assumes the path's rate (EWMA per tier, loads beside a
+        replay apart as for the bandwidth)."""
+        nbytes, seconds = float(nbytes), float(seconds)
+        if nbytes <= 0 or seconds <= 0 or not (math.isfinite(nbytes) and math.isfinite(seconds)):
+            return
+        key = (str(tier), bool(overlapped and self.config.separate_overlapped_loads))
+        bw, a = nbytes / seconds, self.config.bandwidth_alpha
+        with self._lock:
+            old = self._path.get(key)
+            self._path[key] = bw if old is None else a * bw + (1 - a) * old
+
+    def path_bandwidth_for(self, tier: str, overlapped: bool) -> float | None:
+        """The load path's measured rate for ``tier`` (bytes/s; the other kind of load if this one has none)."""
+        ov = bool(overlapped and self.config.separate_overlapped_loads)
+        with self._lock:
+            v = self._path.get((str(tier), ov))
+            return v if v is not None else self._path.get((str(tier), not ov))
 
     def observe_suffix(self, per_block_seconds: float, modelled_seconds: float) -> None:
         """A suffix layer call took ``per_block_seconds`` where F(N + Ns) - F(N) summed to ``modelled_seconds``."""
@@ -348,7 +372,7 @@ class LatencyProfile:
         return self._fixed.value or 0.0
 
     def reset_bandwidth(self) -> None:
-        """Forget the load-bandwidth estimates (the link changed); F(t) is kept."""
+        """Forget the load-bandwidth estimates (the link changed); F(t) and the load paths' rates are kept."""
         with self._lock:
             self._bandwidth = self._bandwidth_overlap = None
 
@@ -439,6 +463,7 @@ class LatencyProfile:
                 "bandwidth": self._bandwidth,
                 "bandwidth_overlapped": self._bandwidth_overlap,
                 "load_observations": self._load_observations,
+                "load_paths": [[tier, ov, v] for (tier, ov), v in sorted(self._path.items())],
                 "suffix_pairs": [list(o) for o in self._suffix_pairs],
                 "fixed_overhead": list(self._fixed.values),
                 "compute_scale": list(self._scale.values),
@@ -458,6 +483,8 @@ class LatencyProfile:
         bwo = d.get("bandwidth_overlapped")  # absent in profiles saved before the two were kept apart
         prof._bandwidth_overlap = None if bwo is None else float(bwo)
         prof._load_observations = int(d.get("load_observations", 0))
+        for tier, ov, v in d.get("load_paths", []):  # absent in profiles saved before paths were measured
+            prof._path[(str(tier), bool(ov))] = float(v)
         n = prof.config.overhead_window
         old = d.get("suffix_overhead")  # saved before pairs were kept: overheads over a zero difference
         old = [old] if isinstance(old, (int, float)) else (old or [])
