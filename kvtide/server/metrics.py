@@ -44,7 +44,8 @@ STORE_FALLBACKS = ("corrupt", "truncated", "token_mismatch", "forged", "oversize
 @dataclass(frozen=True)
 class EngineSnapshot:
     running: int = 0
-    waiting: int = 0
+    waiting: int = 0  # includes the restoring ones: they wait for their KV (as vLLM counts remote-KV waits)
+    restoring: int = 0  # admitted by a restoration in flight: pages held, prompt KV still loading/recomputing
     kv_usage: float = 0.0  # fraction of the KV cache held by requests (prefix-cached free pages are free)
     preemptions: int = 0
     prefix_query_tokens: int = 0
@@ -146,7 +147,8 @@ class ServerMetrics:
             raw, stored = c["k_raw_bytes"] + c["v_raw_bytes"], c["k_stored_bytes"] + c["v_stored_bytes"]
             ratio = raw / stored if raw and stored else 1.0
         snap: dict[str, Any] = dict(
-            running=len(sch.running), waiting=len(sch.waiting), kv_usage=min(1.0, max(0.0, usage)),
+            running=len(sch.running), waiting=len(sch.waiting) + len(sch.restoring), restoring=len(sch.restoring),
+            kv_usage=min(1.0, max(0.0, usage)),
             preemptions=sch.num_preemptions, prefix_query_tokens=bm.stats["prefix_query_tokens"],
             prefix_hit_tokens=bm.stats["prefix_hit_tokens"], compression_ratio=ratio)
         if eng.restorer is not None:
@@ -214,7 +216,9 @@ class _EngineCollector:
             return c
 
         yield gauge("num_requests_running", "Requests in the running batch.", s.running)
-        yield gauge("num_requests_waiting", "Requests waiting to run.", s.waiting)
+        yield gauge("num_requests_waiting", "Requests waiting to run (those being restored included).", s.waiting)
+        yield gauge("num_requests_restoring", "Requests whose prompt KV a restoration is loading or recomputing.",
+                    s.restoring)
         yield gauge("kv_cache_usage_perc", "Fraction of the KV cache held by requests (1 = full).", s.kv_usage)
         yield gauge("kv_compression_ratio", "Raw / stored bytes of the compressed KV pages held (1: none).",
                     s.compression_ratio)

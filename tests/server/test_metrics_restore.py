@@ -38,3 +38,22 @@ def test_restored_tokens_restorations_and_store_bytes():
     fallbacks = {dict(k[1])["reason"]: v for k, v in s.items() if k[0] == "kvtide:restore_fallbacks_total"}
     assert fallbacks["load_failed"] == rs.fallbacks and fallbacks["corrupt"] == store["corrupt"] == 0
     assert s[("kvtide:prefix_cache_queries_total", m)] == eng.block_manager.stats["prefix_query_tokens"]
+
+
+def test_requests_being_restored_count_as_waiting_and_restoring():
+    llm = engine_llm("smollm2-135m", restore=RestoreConfig(store="memory", chunk_tokens=32, method="load"))
+    eng = llm.engine
+    metrics = ServerMetrics(eng, "m")
+    sch = eng.scheduler
+    fake = [object(), object()]  # stand-ins: the snapshot only counts the scheduler's lists
+    sch.restoring.extend(fake)
+    try:
+        metrics.snapshot = metrics.take_snapshot()
+        s = _samples(metrics)
+        m = (("model_name", "m"),)
+        assert s[("kvtide:num_requests_restoring", m)] == 2
+        assert s[("kvtide:num_requests_waiting", m)] == len(sch.waiting) + 2
+        assert s[("kvtide:num_requests_running", m)] == len(sch.running)
+    finally:
+        for f in fake:
+            sch.restoring.remove(f)
