@@ -146,3 +146,15 @@ def test_pooled_evaluator_and_the_lower_bound_constraint():
     assert math.isfinite(recs[1].quality_high)
     with pytest.raises(ValueError, match="constraint"):
         EvaluateConfig(constraint="upper")
+
+
+def test_table_keeps_the_interval_beside_the_quality(tmp_path):
+    import json
+
+    from kvtide.transfer.controller import Profile
+    from kvtide.transfer.table import load_profiles, save_profiles
+    profs = [Profile("a|b|c", 4.0, 1e8, math.inf, 0.975)]
+    save_profiles(tmp_path / "t.json", profs, extra={"a|b|c": {"quality_point": 0.99, "quality_high": 1.005}}, model="m")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["profiles"][0]["quality_point"] == 0.99 and doc["info"] == {"model": "m"}
+    assert load_profiles(tmp_path / "t.json") == profs
