@@ -60,7 +60,7 @@ class QualityConfig:
         if self.prefixes and self.samples % len(self.prefixes):
             raise ValueError(f"QualityConfig.samples ({self.samples}) must be a multiple of len(prefixes) "
                              f"({len(self.prefixes)})")
-        self.bootstrap  # validates resamples, confidence, seed
+        BootstrapConfig(self.resamples, self.confidence, self.seed)  # fails fast on resamples, confidence, seed
 
     @property
     def bootstrap(self) -> BootstrapConfig:
