@@ -1,11 +1,12 @@
 """Quality of a compression profile on a real model and real text (KVServe's "relative accuracy").
 
-Protocol, per workload class (``prose``/``code``, see corpus.py), with ``samples`` windows of
-``prefix + continuation + 1`` tokens:
+Protocol, per workload class (``prose``/``code``/``docs``, see corpus.py), with ``samples`` windows of
+``prefix + continuation + 1`` tokens (``prefixes`` gives several prefix lengths, the windows split evenly):
 
-1. Prefix pass (fp32 compute; K/V stored as BF16, as the engine stores them) captures each sample's prefix
-   KV, a BF16 tensor [layers, 2, prefix, kv_heads, head_dim].
-2. Reference: the ``continuation`` tokens run teacher-forced, attending causally to [prefix KV ; their own KV].
+1. Prefix pass (fp32 compute; K/V stored as BF16, as the engine stores them) captures each window's prefix
+   KV, a BF16 tensor [layers, 2, prefix, kv_heads, head_dim]; a ``PrefixCache`` keeps it on disk.
+2. Reference: the ``continuation`` tokens run teacher-forced, attending causally to [prefix KV ; their own KV];
+   its log-probs are kept in memory, so each profile costs one pipeline pass and one continuation run.
 3. A profile: the prefix KV goes through the pipeline (encode -> decode; pruned positions are masked out of
    attention) and step 2 is repeated on the decoded KV.
 
@@ -13,7 +14,8 @@ Metrics over the ``samples * continuation`` scored positions (position t predict
 
 * ``accuracy``: argmax == true next token; ``reference_accuracy`` the same for uncompressed KV.
 * ``relative_accuracy = accuracy / reference_accuracy`` — the paper's relative accuracy; the profile
-  *quality*. It can exceed 1 by chance (a quantised run may guess a few more tokens right).
+  *quality*. It can exceed 1 by chance (a quantised run may guess a few more tokens right). ``ci_low`` /
+  ``ci_high``: its bootstrap interval over windows (bootstrap.py says why windows and how).
 * ``agreement``: argmax equals the uncompressed run's argmax (a stricter, lower-variance view).
 * ``kl``: mean KL(P_uncompressed || P_compressed) of the next-token distributions, in nats.
 
@@ -30,7 +32,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from .bootstrap import BootstrapConfig, ratio_interval
 from .pipeline import Pipeline
+from .prefix_cache import PrefixCache
 from .spec import StageSpec, format_spec, parse_spec
 
 Masks = list[torch.Tensor | None]
@@ -41,14 +45,45 @@ class QualityConfig:
     prefix: int = 512
     continuation: int = 64
     samples: int = 4
+    prefixes: tuple[int, ...] = ()  # several prefix lengths (samples split evenly, in this order); () = (prefix,)
+    resamples: int = 2000  # bootstrap resamples of the windows
+    confidence: float = 0.95
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefix < 1 or self.continuation < 1 or self.samples < 1:
-            raise ValueError(f"prefix, continuation and samples must be >= 1, got {self}")
+        for name in ("prefix", "continuation", "samples"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"QualityConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.prefixes, tuple) or any(not isinstance(p, int) or p < 1 for p in self.prefixes):
+            raise ValueError(f"QualityConfig.prefixes must be a tuple of ints >= 1, got {self.prefixes!r}")
+        if self.prefixes and self.samples % len(self.prefixes):
+            raise ValueError(f"QualityConfig.samples ({self.samples}) must be a multiple of len(prefixes) "
+                             f"({len(self.prefixes)})")
+        BootstrapConfig(self.resamples, self.confidence, self.seed)  # fails fast on resamples, confidence, seed
+
+    @property
+    def bootstrap(self) -> BootstrapConfig:
+        return BootstrapConfig(self.resamples, self.confidence, self.seed)
+
+    @property
+    def prefix_lengths(self) -> tuple[int, ...]:
+        """The prefix length of each window, in window order."""
+        ps = self.prefixes or (self.prefix,)
+        return tuple(p for p in ps for _ in range(self.samples // len(ps)))
+
+    @property
+    def window_lengths(self) -> tuple[int, ...]:
+        return tuple(p + self.continuation + 1 for p in self.prefix_lengths)
 
     @property
     def window(self) -> int:
-        return self.prefix + self.continuation + 1
+        """The longest window's length (all of them when there is a single prefix length)."""
+        return max(self.window_lengths)
+
+    @property
+    def scored_positions(self) -> int:
+        return self.samples * self.continuation
 
 
 @dataclass(frozen=True)
@@ -59,6 +94,14 @@ class QualityResult:
     accuracy: float
     reference_accuracy: float
     tokens: int
+    ci_low: float = float("nan")  # bootstrap interval of relative_accuracy (QualityConfig.confidence)
+    ci_high: float = float("nan")
+    window_correct: tuple[int, ...] = ()  # per window: positions right with the profile's KV
+    window_reference_correct: tuple[int, ...] = ()  # ... with BF16 KV
+    window_agree: tuple[int, ...] = ()
+    window_kl: tuple[float, ...] = ()  # summed over the window's positions
+    window_tokens: tuple[int, ...] = ()
+    strata: tuple[str, ...] = ()  # each window's bootstrap stratum (its prefix length, and workload if pooled)
 
     @property
     def quality(self) -> float:
@@ -67,6 +110,40 @@ class QualityResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def summary(self) -> dict:
+        """The figures without the per-window counts."""
+        return {k: v for k, v in asdict(self).items() if not k.startswith("window_") and k != "strata"}
+
+
+def result_from_windows(correct: Sequence[int], reference: Sequence[int], agree: Sequence[int],
+                        kl: Sequence[float], tokens: Sequence[int], strata: Sequence[str],
+                        config: BootstrapConfig) -> QualityResult:
+    """Pooled metrics and the window bootstrap interval from per-window counts."""
+    n, c, r = sum(tokens), sum(correct), sum(reference)
+    if r == 0:
+        raise ValueError("uncompressed KV predicts no token right: relative accuracy is undefined")
+    lo, hi = ratio_interval(correct, reference, strata, config)
+    return QualityResult(c / r, sum(agree) / n, max(sum(kl) / n, 0.0), c / n, r / n, n, lo, hi,
+                         tuple(correct), tuple(reference), tuple(agree), tuple(kl), tuple(tokens), tuple(strata))
+
+
+def pool(results: dict[str, QualityResult], config: BootstrapConfig) -> QualityResult:
+    """One result over the union of several evaluations' windows (a mixed data set, e.g. prose + code);
+    strata become ``<name>:<stratum>``."""
+    if not results:
+        raise ValueError("nothing to pool")
+    cols: dict[str, list] = {k: [] for k in ("c", "r", "a", "kl", "n", "s")}
+    for name, q in results.items():
+        if not q.window_tokens:
+            raise ValueError(f"{name}: result has no per-window counts to pool")
+        cols["c"] += q.window_correct
+        cols["r"] += q.window_reference_correct
+        cols["a"] += q.window_agree
+        cols["kl"] += q.window_kl
+        cols["n"] += q.window_tokens
+        cols["s"] += [f"{name}:{s}" for s in q.strata]
+    return result_from_windows(cols["c"], cols["r"], cols["a"], cols["kl"], cols["n"], cols["s"], config)
 
 
 def quality_spec(spec: str) -> str:
@@ -110,9 +187,9 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor,
     return kv
 
 
-def continuation_logprobs(model: torch.nn.Module, kv: torch.Tensor, ids: torch.Tensor,
-                          keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Teacher-forced log-probs [S*N, vocab] of ``ids`` [S, N] placed after the prefix KV ``kv``
+def continuation_hidden(model: torch.nn.Module, kv: torch.Tensor, ids: torch.Tensor,
+                        keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Teacher-forced final hidden states [S*N, hidden] of ``ids`` [S, N] placed after the prefix KV ``kv``
     ([S, layers, 2, P, Hk, D] BF16); ``keep`` ([S, layers, P, Hk] bool) hides pruned prefix positions."""
     S, N = ids.shape
     P = kv.shape[3]
@@ -132,57 +209,111 @@ def continuation_logprobs(model: torch.nn.Module, kv: torch.Tensor, ids: torch.T
         return o.transpose(1, 2).reshape(S * N, *q.shape[1:])
 
     with torch.no_grad():
-        h = model.hidden_states(ids.reshape(-1), (P + torch.arange(N)).repeat(S), attention)
-        return torch.log_softmax(model.logits(h), -1)
+        return model.hidden_states(ids.reshape(-1), (P + torch.arange(N)).repeat(S), attention)
+
+
+def logprobs(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model.logits(hidden), -1)
+
+
+def continuation_logprobs(model: torch.nn.Module, kv: torch.Tensor, ids: torch.Tensor,
+                          keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Teacher-forced log-probs [S*N, vocab] (see ``continuation_hidden``)."""
+    return logprobs(model, continuation_hidden(model, kv, ids, keep))
+
+
+# Reference log-probs kept per evaluator up to this many bytes; beyond (a large vocabulary), the reference's
+# final hidden states are kept and its log-probs recomputed at each score (same inputs, same values).
+REFERENCE_LOGITS_BUDGET = 1 << 30
 
 
 class QualityEvaluator:
-    """Holds one (model, texts) reference so that each profile costs one pipeline pass and one short run."""
+    """Holds one (model, windows) reference so that each profile costs one pipeline pass and one short run
+    per window. Windows are run one at a time: memory stays at one window's activations and logits."""
 
-    def __init__(self, model: torch.nn.Module, windows: Sequence[Sequence[int]], config: QualityConfig) -> None:
+    def __init__(self, model: torch.nn.Module, windows: Sequence[Sequence[int]], config: QualityConfig,
+                 cache: PrefixCache | None = None) -> None:
         self.model, self.cfg = model, config
-        if len(windows) != config.samples or any(len(w) != config.window for w in windows):
-            raise ValueError(f"need {config.samples} windows of {config.window} tokens")
-        ids = torch.tensor([list(w) for w in windows], dtype=torch.long)
-        P = config.prefix
-        self.cont_ids = ids[:, P: P + config.continuation]
-        self.targets = ids[:, P + 1:].reshape(-1)
-        self.kv = prefix_kv(model, ids[:, :P])
-        self.ref_logp = continuation_logprobs(model, self.kv, self.cont_ids)
-        self.ref_top = self.ref_logp.argmax(-1)
-        self.reference_accuracy = float((self.ref_top == self.targets).float().mean())
+        lengths = config.window_lengths
+        if len(windows) != config.samples or any(len(w) != n for w, n in zip(windows, lengths)):
+            raise ValueError(f"need {config.samples} windows of {sorted(set(lengths))} tokens (in config order), "
+                             f"got {[len(w) for w in windows]}")
+        limit = model.args.max_position_embeddings
+        if hasattr(model, "rope_cos"):
+            limit = min(limit, int(model.rope_cos.shape[0]))
+        if config.window - 1 > limit:
+            raise ValueError(f"windows of {config.window} tokens exceed the model's {limit} positions")
+        self.cache = cache
+        self.kv: list[torch.Tensor] = []
+        self.cont_ids: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+        self._ref: list[torch.Tensor] = []  # per window: log-probs, or final hidden states (see the budget)
+        self.ref_top: list[torch.Tensor] = []
+        self._keep_logits = config.scored_positions * model.args.vocab_size * 4 <= REFERENCE_LOGITS_BUDGET
+        for w, P in zip(windows, config.prefix_lengths):
+            ids = torch.tensor(list(w), dtype=torch.long)
+            pre = ids[:P]
+            kv = (cache.get(model, pre, lambda: prefix_kv(model, pre[None])[0]) if cache is not None
+                  else prefix_kv(model, pre[None])[0])
+            cont = ids[P: P + config.continuation]
+            h = continuation_hidden(model, kv[None], cont[None])
+            logp = logprobs(model, h)
+            self.kv.append(kv)
+            self.cont_ids.append(cont)
+            self.targets.append(ids[P + 1:])
+            self._ref.append(logp if self._keep_logits else h)
+            self.ref_top.append(logp.argmax(-1))
+        self.ref_correct = [int((t == y).sum()) for t, y in zip(self.ref_top, self.targets)]
+        self.strata = tuple(f"p{P}" for P in config.prefix_lengths)
+        self.reference_accuracy = sum(self.ref_correct) / config.scored_positions
         if self.reference_accuracy == 0:
             raise ValueError("uncompressed KV predicts no token right: relative accuracy is undefined")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """One request's KV shape [layers, 2, prefix, kv_heads, head_dim]."""
-        return tuple(self.kv.shape[1:])
+        """The first window's KV shape [layers, 2, prefix, kv_heads, head_dim]."""
+        return tuple(self.kv[0].shape)
 
     def request_kv(self, i: int = 0) -> torch.Tensor:
         return self.kv[i]
 
-    def score(self, kv: torch.Tensor, keep: torch.Tensor | None = None) -> QualityResult:
-        """Metrics of an (already decoded) prefix KV [S, layers, 2, P, Hk, D] against the reference."""
-        logp = continuation_logprobs(self.model, kv, self.cont_ids, keep)
-        top = logp.argmax(-1)
-        acc = float((top == self.targets).float().mean())
-        kl = float((self.ref_logp.exp() * (self.ref_logp - logp)).sum(-1).mean())
-        return QualityResult(acc / self.reference_accuracy, float((top == self.ref_top).float().mean()),
-                             max(kl, 0.0), acc, self.reference_accuracy, int(top.numel()))
+    def reference_logprobs(self, i: int) -> torch.Tensor:
+        """Window ``i``'s reference log-probs [continuation, vocab]."""
+        return self._ref[i] if self._keep_logits else logprobs(self.model, self._ref[i])
+
+    def score(self, kvs: Sequence[torch.Tensor], keeps: Sequence[torch.Tensor | None] | None = None) -> QualityResult:
+        """Metrics of (already decoded) prefix KVs, one [layers, 2, P, Hk, D] per window, against the reference;
+        ``keeps`` ([layers, P, Hk] bool or None per window) hides pruned positions."""
+        if len(kvs) != len(self.kv):
+            raise ValueError(f"need {len(self.kv)} windows' KV, got {len(kvs)}")
+        keeps = keeps if keeps is not None else [None] * len(kvs)
+        c, a, kl, n = [], [], [], []
+        for i, (kv, keep) in enumerate(zip(kvs, keeps)):
+            logp = continuation_logprobs(self.model, kv[None], self.cont_ids[i][None], None if keep is None else keep[None])
+            top = logp.argmax(-1)
+            ref = self.reference_logprobs(i)
+            c.append(int((top == self.targets[i]).sum()))
+            a.append(int((top == self.ref_top[i]).sum()))
+            kl.append(float((ref.exp() * (ref - logp)).sum()))
+            n.append(int(top.numel()))
+        return result_from_windows(c, self.ref_correct, a, kl, n, self.strata, self.cfg.bootstrap)
+
+    def decoded(self, spec: str, head_scores: torch.Tensor | None = None, keep_codec: bool = False
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Each window's prefix KV through ``spec`` (encode -> decode) and its kept-position mask or None."""
+        p = Pipeline(spec if keep_codec else quality_spec(spec), head_scores)
+        kvs, keeps = [], []
+        for kv in self.kv:
+            dec, masks = p.decode_with_mask(p.encode({"0": kv}))
+            m = masks["0"]
+            kvs.append(dec["0"])
+            keeps.append(None if m is None else m[:, 0] & m[:, 1])  # [layers, P, Hk]
+        return kvs, keeps
 
     def evaluate(self, spec: str, head_scores: torch.Tensor | None = None, keep_codec: bool = False) -> QualityResult:
-        """Compress and decompress every sample's prefix KV with ``spec``, then score the continuation."""
-        p = Pipeline(spec if keep_codec else quality_spec(spec), head_scores)
-        blob = p.encode({str(i): self.kv[i] for i in range(self.kv.shape[0])})
-        dec, masks = p.decode_with_mask(blob)
-        kv = torch.stack([dec[str(i)] for i in range(self.kv.shape[0])])
-        keep = None
-        if any(m is not None for m in masks.values()):
-            full = torch.ones(self.kv.shape[1:3] + self.kv.shape[3:5], dtype=torch.bool)
-            ms = [masks[str(i)] if masks[str(i)] is not None else full for i in range(self.kv.shape[0])]
-            keep = torch.stack([m[:, 0] & m[:, 1] for m in ms])  # [S, layers, P, Hk]
-        return self.score(kv, keep)
+        """Compress and decompress every window's prefix KV with ``spec``, then score the continuations."""
+        return self.score(*self.decoded(spec, head_scores, keep_codec))
 
 
 @functools.lru_cache(maxsize=4)
@@ -196,13 +327,15 @@ def bundled_model(name: str) -> tuple[torch.nn.Module, object]:
 _EVALUATORS: dict[tuple, QualityEvaluator] = {}
 
 
-def evaluator(model_name: str, workload: str, config: QualityConfig | None = None) -> QualityEvaluator:
-    """The cached evaluator (reference run included) for a bundled model and a workload class."""
-    from .corpus import windows
+def evaluator(model_name: str, workload: str, config: QualityConfig | None = None,
+              cache_dir: str | None = None) -> QualityEvaluator:
+    """The evaluator (reference run included) for a bundled model and a workload class, kept in memory per
+    process; ``cache_dir`` also keeps the windows' prefix KV on disk (``PrefixCache``)."""
+    from .corpus import windows_of
     cfg = config or QualityConfig()
     key = (model_name, workload, cfg)
     if key not in _EVALUATORS:
         model, tok = bundled_model(model_name)
-        _EVALUATORS[key] = QualityEvaluator(model, windows(tok, workload, cfg.samples, cfg.window), cfg)
+        cache = PrefixCache(cache_dir) if cache_dir else None
+        _EVALUATORS[key] = QualityEvaluator(model, windows_of(tok, workload, cfg.window_lengths), cfg, cache)
     return _EVALUATORS[key]
-

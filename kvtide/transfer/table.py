@@ -5,7 +5,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .controller import Profile
 
@@ -16,11 +16,15 @@ def _num(v: float) -> Any:
     return "inf" if math.isinf(v) else v
 
 
-def save_profiles(path: str | Path, profiles: Sequence[Profile], **info: Any) -> None:
-    """Atomic write of ``{"version", "info", "profiles": [...]}``; infinities as the string "inf"."""
+def save_profiles(path: str | Path, profiles: Sequence[Profile], extra: Mapping[str, Mapping[str, Any]] | None = None,
+                  **info: Any) -> None:
+    """Atomic write of ``{"version", "info", "profiles": [...]}``; infinities as the string "inf".
+    ``extra[name]``: further fields of that profile (e.g. its quality interval), which ``load_profiles`` ignores."""
+    extra = extra or {}
     doc = {"version": TABLE_VERSION, "info": info, "profiles": [
         {"name": p.name, "ratio": p.ratio, "encode_throughput": _num(p.encode_throughput),
-         "decode_throughput": _num(p.decode_throughput), "quality": p.quality} for p in profiles]}
+         "decode_throughput": _num(p.decode_throughput), "quality": p.quality, **extra.get(p.name, {})}
+        for p in profiles]}
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1))

@@ -7,7 +7,7 @@ import torch
 
 from kvtide.transfer.baselines import BF16, ZIPFUSION
 from kvtide.transfer.corpus import WORKLOADS, documents, windows
-from kvtide.transfer.evaluate import PipelineEvaluator
+from kvtide.transfer.evaluate import EvaluateConfig, PipelineEvaluator
 from kvtide.transfer.head_scores import (
     HeadScoreConfig,
     far_mass,
@@ -103,7 +103,7 @@ def test_stored_head_scores(name, shape):
 
 def test_evaluate_callback_and_progress(prose):
     head = load_head_scores(MODEL, measure_if_missing=False)
-    pe = PipelineEvaluator(prose, head)
+    pe = PipelineEvaluator(prose, head, EvaluateConfig(constraint="point"))  # 2 windows: a wide interval
     ratio, enc, dec, q = pe("hadamard|uniform:k=4,v=4,g=32|zstd")
     assert 2.0 < ratio < 8.0 and 0 < enc < math.inf and 0 < dec < math.inf and 0.5 < q < 1.5
     pe("hadamard|uniform:k=4,v=4,g=32|pack")
