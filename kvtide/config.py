@@ -233,12 +233,8 @@ class RestoreConfig:
 
 
     def _check_profiles(self) -> None:
-        """``store_profiles`` as a tuple of (canonical spec, quality) pairs, each spec a valid pipeline; fails naming
-        the entry otherwise."""
-        from .store.profile_entry import check_profile_name
-        from .transfer.errors import SpecError
-        from .transfer.pipeline import Pipeline
-
+        """``store_profiles`` as a tuple of (spec, quality) pairs; fails naming the entry otherwise. Each spec is
+        checked as a pipeline (and made canonical) when the restorer is built (``kvtide.engine.restore_profiles``)."""
         v = self.store_profiles
         if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
             raise ValueError(f"RestoreConfig.store_profiles must be a list of (spec, quality) pairs, got {v!r}")
@@ -247,19 +243,13 @@ class RestoreConfig:
             if isinstance(item, (str, bytes)) or not isinstance(item, (list, tuple)) or len(item) != 2:
                 raise ValueError(f"RestoreConfig.store_profiles entry {item!r} is not a (spec, quality) pair")
             spec, q = item
-            try:
-                canon = Pipeline(spec).to_spec()
-            except (SpecError, TypeError, ValueError) as e:
-                raise ValueError(f"RestoreConfig.store_profiles entry {spec!r} is not a pipeline spec: {e}") from None
-            why = check_profile_name(canon)
-            if why is not None:
-                raise ValueError(f"RestoreConfig.store_profiles entry {spec!r}: {why}")
+            if not isinstance(spec, str) or not spec or len(spec) > 512:
+                raise ValueError(f"RestoreConfig.store_profiles entry {item!r}: the spec must be a non-empty string "
+                                 "of at most 512 characters")
             if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q < float("inf"):
                 raise ValueError(f"RestoreConfig.store_profiles entry {spec!r}: quality must be a finite number >= 0, "
                                  f"got {q!r}")
-            out.append((canon, float(q)))
-        if len({s for s, _ in out}) != len(out):
-            raise ValueError(f"RestoreConfig.store_profiles names a profile twice: {[s for s, _ in out]}")
+            out.append((spec, float(q)))
         self.store_profiles = tuple(out)
 
 

@@ -15,8 +15,10 @@ from typing import Any, Sequence
 
 from ..store.breaker import present
 from ..store.keys import ChunkKey, profile_key
-from ..store.profile_entry import PendingProfileEntry
+from ..store.profile_entry import PendingProfileEntry, check_profile_name
+from ..transfer.errors import SpecError
 from ..transfer.pipeline import Pipeline
+from ..transfer.store_codec import pipeline  # registers the pipelines as the store's profile codec
 
 PROBES = 4  # encodings of a profile also decoded on the writer's thread, to time its decode before it is used
 _EWMA = 0.3  # weight of a restoration's measured decode rate
@@ -47,7 +49,18 @@ class StoredProfiles:
     """The configured profiles of one restorer: their keys, their costs, and the lookups of their entries."""
 
     def __init__(self, profiles: Sequence[tuple[str, float]], chunk: int, num_layers: int, device: Any = None) -> None:
-        self.profiles = [StoredProfile(s, q, Pipeline(s).lossless) for s, q in profiles]
+        self.profiles = []
+        for spec, q in profiles:
+            try:
+                p = Pipeline(spec)
+            except (SpecError, TypeError) as e:
+                raise ValueError(f"RestoreConfig.store_profiles entry {spec!r} is not a pipeline spec: {e}") from None
+            why = check_profile_name(p.to_spec())
+            if why is not None:
+                raise ValueError(f"RestoreConfig.store_profiles entry {spec!r}: {why}")
+            if any(x.spec == p.to_spec() for x in self.profiles):
+                raise ValueError(f"RestoreConfig.store_profiles names {p.to_spec()!r} twice")
+            self.profiles.append(StoredProfile(p.to_spec(), q, p.lossless))
         self.chunk, self.num_layers, self.device = chunk, num_layers, device
         self._costs = {p.spec: _Cost() for p in self.profiles}
         self._lock = threading.Lock()
@@ -58,7 +71,7 @@ class StoredProfiles:
 
     @staticmethod
     def canonical(spec: str) -> str:
-        return Pipeline(spec).to_spec()
+        return pipeline(spec).to_spec()
 
     def get(self, spec: str) -> StoredProfile:
         return next(p for p in self.profiles if p.spec == spec)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -61,42 +61,45 @@ class ProfileEntry:
     def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The KV (BF16, ``shape``) on ``device`` (None: the CPU); ChunkCorrupt for any blob that is not this
         profile's encoding of that shape. The container may declare at most the shape's values (checked before
-        anything is allocated)."""
-        from kvtide.transfer.errors import ContainerError, SpecError
-        from kvtide.transfer.pipeline import Pipeline
-
+        anything is allocated, by the registered codec)."""
+        if _CODEC is None:
+            raise ChunkCorrupt(f"{self.profile[:40]} entry: no profile codec registered (the transfer package registers one)",
+                               "")
         numel = math.prod(self.shape)
         try:
-            pipe = _pipeline(self.profile)
-            blob = self.blob if isinstance(self.blob, bytes) else bytes(self.blob)
-            out = pipe.decode(blob, max_values=numel, device=device)
-        except (ContainerError, SpecError) as e:
+            out = _CODEC.decode(self.blob, self.profile, numel, device)
+        except ValueError as e:  # the codec's every refusal (ContainerError, SpecError are ValueErrors)
             raise ChunkCorrupt(f"{self.profile[:40]} entry: {str(e)[:160]}", "") from None
         if not isinstance(out, torch.Tensor) or out.numel() != numel or out.dtype != torch.bfloat16:
             raise ChunkCorrupt(f"{self.profile[:40]} entry does not decode to bfloat16 {list(self.shape)}", "")
         return out.reshape(self.shape)
 
 
-_PIPES: dict[str, Any] = {}
+class ProfileCodec(Protocol):
+    """What encodes and decodes profile entries (``kvtide.transfer.store_codec`` registers the KVServe pipelines:
+    the store knows no pipeline). ``decode`` raises ValueError for a blob it refuses, having allocated at most
+    ``max_values`` values."""
+
+    def encode(self, kv: torch.Tensor, spec: str) -> bytes: ...
+
+    def decode(self, blob: Any, spec: str, max_values: int, device: Any) -> torch.Tensor: ...
 
 
-def _pipeline(spec: str) -> Any:
-    """The pipeline of ``spec``, built once (building parses the spec and its stages)."""
-    p = _PIPES.get(spec)
-    if p is None:
-        from kvtide.transfer.pipeline import Pipeline
+_CODEC: ProfileCodec | None = None
 
-        p = Pipeline(spec)
-        if len(_PIPES) < 64:
-            _PIPES[spec] = p
-    return p
+
+def register_codec(codec: ProfileCodec) -> None:
+    global _CODEC
+    _CODEC = codec
 
 
 def encode(kv: torch.Tensor, spec: str) -> ProfileEntry:
-    """``kv`` [2, tokens, kv_heads, head_dim] (BF16) encoded by the pipeline ``spec``."""
+    """``kv`` [2, tokens, kv_heads, head_dim] (BF16) encoded by the pipeline ``spec`` (the registered codec)."""
     if kv.dtype != torch.bfloat16 or kv.dim() != 4 or kv.shape[0] != 2:
         raise ValueError(f"profile entries hold bfloat16 [2, tokens, heads, dim] KV, got {kv.dtype} {list(kv.shape)}")
-    return ProfileEntry(_pipeline(spec).encode(kv[None]), tuple(kv.shape), spec)
+    if _CODEC is None:
+        raise RuntimeError("no profile codec registered (the transfer package registers one)")
+    return ProfileEntry(_CODEC.encode(kv, spec), tuple(kv.shape), spec)
 
 
 class PendingProfileEntry:

@@ -8,6 +8,7 @@ that does not decode is recomputed.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from kvtide.store.base import encode_record
 from kvtide.store.keys import chunk_keys, profile_key
 from kvtide.store.profile_entry import ProfileEntry, encode
 from kvtide.transfer.pipeline import Pipeline
+from kvtide.transfer import store_codec  # noqa: F401  (the store's profile codec)
 from tests.restore.restore_helpers import (
     CHUNK, fresh_store, greedy, no_restore, prefill, prefix_kv, restore_llm, text_ids, write_prefix,
 )
@@ -161,12 +163,16 @@ def test_a_lossy_entry_never_answers_a_lossless_fetch() -> None:
 
 def test_profiles_fail_fast() -> None:
     from kvtide.config import RestoreConfig
+    from kvtide.engine.restore_profiles import StoredProfiles
 
     with pytest.raises(ValueError, match="store_profiles"):
-        RestoreConfig(store_profiles=(("none|uniform:k=4|nope", 0.9),))
+        RestoreConfig(store_profiles=(("", 0.9),))
     with pytest.raises(ValueError, match="quality"):
         RestoreConfig(store_profiles=((LOSSY, -0.5),))
+    with pytest.raises(ValueError, match=re.escape("store_profiles entry 'none|uniform:k=4|nope' is not a pipeline spec")):
+        StoredProfiles((("none|uniform:k=4|nope", 0.9),), CHUNK, 2)
     with pytest.raises(ValueError, match="twice"):
-        RestoreConfig(store_profiles=((LOSSY, 0.9), ("none|uniform:k=4,v=4,g=32|zstd", 0.9)))
+        StoredProfiles(((LOSSY, 0.9), ("none|uniform:k=4,v=4,g=32|zstd", 0.9)), CHUNK, 2)
     with pytest.raises(ValueError, match="kv_min_quality"):
         SamplingParams(kv_min_quality=1.5)
+    assert RestoreConfig(store_profiles=[[LOSSY, 1]]).store_profiles == ((LOSSY, 1.0),)
