@@ -55,10 +55,16 @@ TABLE = Path(__file__).resolve().parent / "results" / "kvserve_table_smollm2-135
 H200_RATIO_10G = 2.56  # T_load / T_recompute of the 8B shape on the H200 at 10 Gbps (bench/restore.py)
 
 
-def pick_profiles(table: Path, floor: float, count: int) -> list[tuple[str, float]]:
-    """The ``count`` highest-ratio profiles of the table with quality >= ``floor`` (spec, quality)."""
+def pick_profiles(table: Path, floor: float, count: int, codec: str | None = None) -> list[tuple[str, float]]:
+    """The ``count`` highest-ratio profiles of the table with quality >= ``floor`` (spec, quality); ``codec``: their
+    entropy stage replaced by this one (a lossless stage: the quality is the quantiser's, e.g. nvzstd on a GPU)."""
     ps = sorted((p for p in load_profiles(table) if p.quality >= floor), key=lambda p: -p.ratio)
-    return [(p.name, p.quality) for p in ps[:count]]
+    out = []
+    for p in ps:
+        spec = p.name if codec is None else "|".join(p.name.split("|")[:2] + [codec])
+        if spec not in (s for s, _ in out):
+            out.append((spec, p.quality))
+    return out[:count]
 
 
 class RemoteBench:
@@ -227,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-quality", type=float, default=0.97, help="the requests' quality budget")
     ap.add_argument("--table", default=str(TABLE), help="profile table (bench/kvserve_profiles.py)")
     ap.add_argument("--quality-floor", type=float, default=0.97, help="profiles of the table stored: quality >= this")
-    ap.add_argument("--num-profiles", type=int, default=3, help="... the highest-ratio ones")
+    ap.add_argument("--num-profiles", type=int, default=5, help="... the highest-ratio ones")
+    ap.add_argument("--codec-override", default=None,
+                    help="replace the table profiles' codec stage (e.g. nvzstd, to decode on the GPU)")
     ap.add_argument("--profile", action="append", default=None, metavar="SPEC=QUALITY",
                     help="store these profiles instead of the table's")
     ap.add_argument("--slo-frac", type=float, default=0.5, help="CacheGen's SLO: this x the recompute TTFT")
@@ -237,14 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
     a.lengths = a.lengths or ([8192, 16384, 32768] if gpu else [512, 1024, 2048])
-    a.chunk = a.chunk or (512 if gpu else 32)
+    a.chunk = a.chunk or (512 if gpu else 128)  # a profile's container costs ~1 KiB an entry: not 32-token ones
     a.store_gb = 64 if gpu else 4
     a.max_batched_tokens = 32768 if gpu else 4096
     a.text_tokens = max(a.lengths) * 2 + 150_000
     if a.profile:
         a.profiles = [(s.rsplit("=", 1)[0], float(s.rsplit("=", 1)[1])) for s in a.profile]
     else:
-        a.profiles = pick_profiles(Path(a.table), a.quality_floor, a.num_profiles)
+        a.profiles = pick_profiles(Path(a.table), a.quality_floor, a.num_profiles, a.codec_override)
     torch.set_num_threads(a.threads or (1 if not gpu else torch.get_num_threads()))
     torch.manual_seed(0)
     b = RemoteBench(a)

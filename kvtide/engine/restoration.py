@@ -187,6 +187,8 @@ class Restorer:
         # are held and it serves the requests (benchmarks compare fixed choices with it)
         self.profile_policy: str | None = None
         self._plan_keys: list[list[ChunkKey]] | None = None
+        # requests restored from a lossy profile: their KV (and all computed over it) is never stored or cached
+        self._tainted: set[str] = set()
         probe = torch.zeros(2, self.chunk, a.num_kv_heads, a.head_dim, dtype=engine.config.cache.torch_kv_dtype)
         key = chunk_keys([0] * self.chunk, self.keyspace)[0]
         record = len(encode_record(key, a.num_layers - 1, [0] * self.chunk, probe,  # exact, padding included
@@ -288,7 +290,12 @@ class Restorer:
                 self.profile.knots()  # refit now, off the next plan's clock
 
     def on_finish(self, seq: Sequence) -> None:
-        """Queue the finished request's full chunks (prompt + output) for the store."""
+        """Queue the finished request's full chunks (prompt + output) for the store (none of a request restored
+        from a lossy profile: its KV is not what a prefill writes, and lossless keys must only hold that)."""
+        rid = getattr(seq, "request_id", None)
+        if rid in self._tainted:
+            self._tainted.discard(rid)
+            return
         if self.writer is None or not self.cfg.write_on_finish:
             return
         self._forget_unwritten()
@@ -714,6 +721,9 @@ class Restorer:
             if seq.finished:  # aborted while it was restored
                 eng.scheduler.finish(seq)
                 continue
+            if f.profile is not None and not self.profiles.get(f.profile).lossless:
+                self._tainted.add(seq.request_id)
+                eng.block_manager.uncacheable.add(seq.request_id)
             eng.scheduler.run_restored(seq)
             out = eng.emit_first_token(seq, tok, now)
             if out is not None:

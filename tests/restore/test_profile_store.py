@@ -74,8 +74,16 @@ def test_a_lossy_budget_loads_the_profile_with_fewer_bytes_within_its_error_boun
     llm.generate(b, greedy(1))  # lossless
     plain = r.history[-1]
     r.profile_policy = LOSSY  # the choice itself is tested below; here the profile's path
-    llm.generate(b, _budget(1, 0.95))
+    queued = r.stats.chunks_queued
+    llm.generate(b, _budget(24, 0.95))  # 112 + 24 tokens: a 4th full chunk, computed over lossy KV
+    r.writer.flush()
     lossy = r.history[-1]
+    assert r.stats.chunks_queued == queued  # nothing of a lossy-restored request is stored as lossless
+    assert not r._tainted and not llm.engine.block_manager.uncacheable
+    r.profile_policy = "lossless"
+    llm.generate(b, greedy(24))  # the control: the same request restored losslessly stores that chunk
+    r.writer.flush()
+    assert r.stats.chunks_queued == queued + 1
     assert lossy.profile == LOSSY and lossy.profile_quality == 0.99 and lossy.cached == [96]
     assert r.stats.profile_restorations == 1 and r.stats.fallbacks == 0 and lossy.failures == 0
     assert lossy.load_bytes < 0.5 * plain.load_bytes  # 4-bit codes vs BF16
