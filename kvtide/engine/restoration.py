@@ -99,7 +99,7 @@ class RestoreStats:
     lookup_failures: int = 0  # lookups the tier did not answer (timeout, down, breaker open): plain prefill
     lookups_deferred: int = 0  # requests not looked up: the step's lookup budget was spent (prefilled as usual)
     interleaved_steps: int = 0  # engine steps that advanced a restoration without finishing it (decodes went on)
-    profile_restorations: int = 0  # of restorations, those that loaded entries stored under a KVServe profile
+    profile_requests: int = 0  # of requests, those restored from entries stored under a KVServe profile
     profile_chunks_written: int = 0  # chunks stored under a profile (every layer entry), beside the lossless ones
     profile_write_failures: int = 0
 
@@ -758,7 +758,7 @@ class Restorer:
     def _account(self, picked: list, plan: Plan, res: RestoreResult, profile: str | None = None) -> None:
         st = self.stats
         st.restorations += 1
-        st.profile_restorations += profile is not None
+        st.profile_requests += len(picked) if profile is not None else 0
         st.requests += len(picked)
         st.restored_tokens += sum(cached - start for _, start, cached, _ in picked)
         st.recomputed_tokens += res.recomputed_tokens

@@ -107,8 +107,8 @@ class PendingProfileEntry:
 
     ``held_nbytes`` is 0: the KV tensor is shared with the lossless entry queued beside it, whose bytes the
     writer's queue bound already counts. ``on_encoded(spec, seconds, decode_seconds, tokens)`` reports each
-    encoding; the first ``probe`` encodings of a profile are also decoded (on ``probe_device``), timed, so the
-    planner knows its decode cost before any restoration used it."""
+    encoding; with ``probe`` the encoding is also decoded (on ``probe_device``), timed, so the planner knows the
+    profile's decode cost before any restoration used it."""
 
     __slots__ = ("kv", "profile", "probe", "probe_device", "on_encoded")
     held_nbytes = 0
@@ -118,12 +118,15 @@ class PendingProfileEntry:
         self.kv, self.profile, self.probe, self.probe_device, self.on_encoded = kv, profile, probe, probe_device, on_encoded
 
     def materialize(self) -> ProfileEntry:
+        """The entry, encoded on ``probe_device`` when that is a GPU (the pipeline's stages run where the KV is; the
+        blob does not depend on it), else on the CPU."""
         t0 = time.perf_counter()
-        e = encode(self.kv, self.profile)
+        dev = torch.device(self.probe_device) if self.probe_device is not None else None
+        kv = self.kv.to(dev) if dev is not None and dev.type == "cuda" else self.kv
+        e = encode(kv, self.profile)
         t1 = time.perf_counter()
         dec = None
         if self.probe:
-            dev = torch.device(self.probe_device) if self.probe_device is not None else None
             e.decode(dev)
             if dev is not None and dev.type == "cuda":
                 torch.cuda.synchronize(dev)

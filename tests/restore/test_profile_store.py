@@ -63,7 +63,7 @@ def test_lossless_by_default_gives_the_tokens_of_no_restoration() -> None:
     rec = r.history[-1]
     assert out == ref
     assert rec.profile is None and rec.profile_quality == 1.0 and rec.cached == [96]
-    assert r.stats.profile_restorations == 0 and r.stats.fallbacks == 0
+    assert r.stats.profile_requests == 0 and r.stats.fallbacks == 0
 
 
 def test_a_lossy_budget_loads_the_profile_with_fewer_bytes_within_its_error_bound() -> None:
@@ -85,7 +85,7 @@ def test_a_lossy_budget_loads_the_profile_with_fewer_bytes_within_its_error_boun
     r.writer.flush()
     assert r.stats.chunks_queued == queued + 1
     assert lossy.profile == LOSSY and lossy.profile_quality == 0.99 and lossy.cached == [96]
-    assert r.stats.profile_restorations == 1 and r.stats.fallbacks == 0 and lossy.failures == 0
+    assert r.stats.profile_requests == 1 and r.stats.fallbacks == 0 and lossy.failures == 0
     assert lossy.load_bytes < 0.5 * plain.load_bytes  # 4-bit codes vs BF16
     assert lossy.decode_seconds > 0
     # a lossy entry decodes within the profile's stated bound of the lossless one (+ the BF16 rounding)
