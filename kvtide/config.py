@@ -167,6 +167,11 @@ class RestoreConfig:
     # others keep decoding; alone it runs to the end at once. None (the default until its restorers' TTFT is
     # measured on a GPU): every restoration runs to the end in the step it starts (the decode batch waits for it)
     step_fraction: float | None = None
+    # KVServe profiles finished chunks are also stored under, beside the lossless entry: (pipeline spec, relative
+    # quality from the profile table) pairs. A request whose SamplingParams.kv_min_quality is below 1 may be restored
+    # from a profile of at least that quality, the one whose plan predicts the least time (Restorer.plan_for); a
+    # lossless request (the default) never gets a profile's entry (kvtide/store/profile_entry.py)
+    store_profiles: tuple[tuple[str, float], ...] = ()
 
     def __repr__(self) -> str:  # logs and errors print configs: a store URL's password stays out of them
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
@@ -222,8 +227,30 @@ class RestoreConfig:
                                                or not 0 < self.step_fraction <= 100):
             raise ValueError(f"RestoreConfig.step_fraction must be None or a number in (0, 100], "
                              f"got {self.step_fraction!r}")
+        self._check_profiles()
         if not isinstance(self.store_token_ids, bool):
             raise ValueError(f"RestoreConfig.store_token_ids must be a bool, got {self.store_token_ids!r}")
+
+
+    def _check_profiles(self) -> None:
+        """``store_profiles`` as a tuple of (spec, quality) pairs; fails naming the entry otherwise. Each spec is
+        checked as a pipeline (and made canonical) when the restorer is built (``kvtide.engine.restore_profiles``)."""
+        v = self.store_profiles
+        if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+            raise ValueError(f"RestoreConfig.store_profiles must be a list of (spec, quality) pairs, got {v!r}")
+        out = []
+        for item in v:
+            if isinstance(item, (str, bytes)) or not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ValueError(f"RestoreConfig.store_profiles entry {item!r} is not a (spec, quality) pair")
+            spec, q = item
+            if not isinstance(spec, str) or not spec or len(spec) > 512:
+                raise ValueError(f"RestoreConfig.store_profiles entry {item!r}: the spec must be a non-empty string "
+                                 "of at most 512 characters")
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q < float("inf"):
+                raise ValueError(f"RestoreConfig.store_profiles entry {spec!r}: quality must be a finite number >= 0, "
+                                 f"got {q!r}")
+            out.append((spec, float(q)))
+        self.store_profiles = tuple(out)
 
 
 @dataclass

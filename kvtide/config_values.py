@@ -1,11 +1,12 @@
 """Config values by type annotation: a string (environment, file) or a typed file value checked and converted.
 
 Supported annotations: ``int``, ``float`` (finite only), ``bool``, ``str``, ``Literal[...]``, unions of these and
-``X | None``. A bad value raises ``ValueError`` naming where it came from and what was expected, e.g.
+``X | None``, and tuples of them (``tuple[X, ...]``, ``tuple[X, Y]``) given as lists or, in a string, as JSON. A bad value raises ``ValueError`` naming where it came from and what was expected, e.g.
 ``KVTIDE_CACHE_PAGE_SIZE='abc': expected an int``.
 """
 from __future__ import annotations
 
+import json
 import math
 import types
 import typing
@@ -41,6 +42,8 @@ def describe(tp: Any) -> str:
             parts.append("a finite float")
         elif m is str:
             parts.append("a string")
+        elif typing.get_origin(m) is tuple:
+            parts.append("a list (JSON in a string)")
         else:
             parts.append(f"a {getattr(m, '__name__', m)}")
     if type(None) in _members(tp):
@@ -110,8 +113,35 @@ def _parse_one(raw: Any, tp: Any) -> Any:
         if isinstance(raw, str):
             return raw
         raise _Bad
+    if typing.get_origin(tp) is tuple:
+        return _parse_tuple(raw, typing.get_args(tp))
     if tp is Any:
         return raw
     if isinstance(tp, type) and isinstance(raw, tp):
         return raw
     raise _Bad
+
+
+_MAX_ITEMS = 256
+
+
+def _parse_tuple(raw: Any, args: tuple[Any, ...]) -> tuple:
+    """A list (or a JSON list in a string) as the tuple annotation ``args`` describes: ``(X, ...)`` any length,
+    else exactly one item per type."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise _Bad from None
+    if not isinstance(raw, (list, tuple)) or len(raw) > _MAX_ITEMS:
+        raise _Bad
+    types_ = [args[0]] * len(raw) if len(args) == 2 and args[1] is Ellipsis else list(args)
+    if len(types_) != len(raw):
+        raise _Bad
+    out = []
+    for item, t in zip(raw, types_):
+        try:
+            out.append(parse_value(item, t, "item"))
+        except ValueError:
+            raise _Bad from None
+    return tuple(out)

@@ -57,6 +57,7 @@ class BlockManager:
         if pool is not None:
             self.free, self.unused = OrderedDict(), deque(range(num_pages))
         self.seq_hashes: dict[str, list[bytes]] = {}  # chained hashes of each sequence's full pages
+        self.uncacheable: set[str] = set()  # request ids whose pages never join the prefix cache (see commit)
         self.stats = {"prefix_queries": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0, "evictions": 0}
         # Hooks for a KV store behind the device cache (kvtide.engine.restoration): a sequence about to release
         # its pages, and cached pages about to lose their contents (called while their bytes are still intact).
@@ -256,8 +257,9 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """Register pages that are now full and computed, so later requests can reuse them."""
-        if not self.enable_prefix_caching:
+        """Register pages that are now full and computed, so later requests can reuse them (not those of a request in
+        ``uncacheable``: its KV is not what a prefill would write, e.g. restored from a lossy store entry)."""
+        if not self.enable_prefix_caching or seq.request_id in self.uncacheable:
             return
         hashes = self.seq_hashes.setdefault(seq.request_id, [])
         full = seq.num_computed_tokens // self.page_size
@@ -292,3 +294,4 @@ class BlockManager:
             self.unused.extend(dropped)
         seq.pages = []
         self.seq_hashes.pop(seq.request_id, None)
+        self.uncacheable.discard(seq.request_id)

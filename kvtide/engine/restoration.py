@@ -35,13 +35,14 @@ from ..store.bandwidth import gbps
 from ..store.base import StoreUnavailable, encode_record
 from ..store.breaker import present
 from ..store.factory import open_store
-from ..store.keys import ChunkKey, KeySpace, chunk_keys
+from ..store.keys import ChunkKey, KeySpace, chunk_keys, profile_key
 from ..store.writer import StoreWriter
 from .block_manager import BlockManager
 from .chunk_reader import ChunkReader
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .restore_port import EnginePort
+from .restore_profiles import StoredProfiles
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -98,6 +99,9 @@ class RestoreStats:
     lookup_failures: int = 0  # lookups the tier did not answer (timeout, down, breaker open): plain prefill
     lookups_deferred: int = 0  # requests not looked up: the step's lookup budget was spent (prefilled as usual)
     interleaved_steps: int = 0  # engine steps that advanced a restoration without finishing it (decodes went on)
+    profile_requests: int = 0  # of requests, those restored from entries stored under a KVServe profile
+    profile_chunks_written: int = 0  # chunks stored under a profile (every layer entry), beside the lossless ones
+    profile_write_failures: int = 0
 
 
 @dataclass
@@ -136,6 +140,9 @@ class RestoreRecord:
 
     paused_seconds: float = 0.0  # of total_seconds, engine steps run between its quanta (interleaved)
     advances: int = 1  # engine steps it took
+    profile: str | None = None  # the KVServe profile whose entries it loaded (None: the lossless entries)
+    profile_quality: float = 1.0  # that profile's relative quality (1.0: lossless)
+    decode_seconds: float = 0.0  # of load_seconds, decoding the profile's entries
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,6 +158,7 @@ class _Flight:
     run: RestoreRun
     seqs: list[Sequence]
     stack: contextlib.ExitStack
+    profile: str | None = None  # the KVServe profile whose entries it loads (None: lossless)
 
 
 class Restorer:
@@ -169,6 +177,18 @@ class Restorer:
         self._write_wait_left = 0.0  # what this step may still wait for queued writes a lookup needs
         self._configure_store(self.store)
         self.keyspace = engine_keyspace(engine)
+        self.profiles = StoredProfiles(cfg.store_profiles, self.chunk, a.num_layers,
+                                       engine.runner.device if engine.runner.device.type == "cuda" else None)
+        if self.profiles and engine.config.cache.torch_kv_dtype != torch.bfloat16:
+            raise ValueError(f"RestoreConfig.store_profiles needs bfloat16 KV (KVServe pipelines code BF16), the "
+                             f"cache holds {engine.config.cache.torch_kv_dtype}")
+        self.plan_profile: str | None = None  # the profile the last plan chose (None: lossless)
+        # None: each restoration picks (plan_for); "lossless" or a profile's spec: always that one where its entries
+        # are held and it serves the requests (benchmarks compare fixed choices with it)
+        self.profile_policy: str | None = None
+        self._plan_keys: list[list[ChunkKey]] | None = None
+        # requests restored from a lossy profile: their KV (and all computed over it) is never stored or cached
+        self._tainted: set[str] = set()
         probe = torch.zeros(2, self.chunk, a.num_kv_heads, a.head_dim, dtype=engine.config.cache.torch_kv_dtype)
         key = chunk_keys([0] * self.chunk, self.keyspace)[0]
         record = len(encode_record(key, a.num_layers - 1, [0] * self.chunk, probe,  # exact, padding included
@@ -200,6 +220,8 @@ class Restorer:
             self.writer.close()
             w = self.writer.stats
             self._written = (self._written[0] + w.zip_bytes, self._written[1] + w.zip_entries)
+            for spec, n in w.profile_entries.items():
+                self.profiles.observe_written(spec, w.profile_bytes.get(spec, 0), n)
         self._configure_store(store)
         if writes is not None and writes is not store:
             self._configure_store(writes)
@@ -238,6 +260,13 @@ class Restorer:
 
     def _on_chunk(self, key: ChunkKey, written: bool) -> None:
         """The writer's report (its thread): count the chunk; one not stored is forgotten, to be written again."""
+        if key.hex in self.profiles.pending:  # a profile's copy of a chunk: counted apart, never rewritten alone
+            self.profiles.pending.discard(key.hex)
+            if written:
+                self.stats.profile_chunks_written += 1
+            else:
+                self.stats.profile_write_failures += 1
+            return
         if written:
             self.stats.chunks_written += 1
         else:
@@ -261,7 +290,12 @@ class Restorer:
                 self.profile.knots()  # refit now, off the next plan's clock
 
     def on_finish(self, seq: Sequence) -> None:
-        """Queue the finished request's full chunks (prompt + output) for the store."""
+        """Queue the finished request's full chunks (prompt + output) for the store (none of a request restored
+        from a lossy profile: its KV is not what a prefill writes, and lossless keys must only hold that)."""
+        rid = getattr(seq, "request_id", None)
+        if rid in self._tainted:
+            self._tainted.discard(rid)
+            return
         if self.writer is None or not self.cfg.write_on_finish:
             return
         self._forget_unwritten()
@@ -298,10 +332,18 @@ class Restorer:
         C = self.chunk
         read = self._reader.read_zip if self.cfg.store_codec is not None else self._reader.read
         per_chunk, ready = read(pids, C)
+        plain = per_chunk
+        if self.profiles and self.cfg.store_codec is not None:  # profiles encode the plain KV
+            plain, ready_plain = self._reader.read(pids, C)
         for k, (key, toks, _) in enumerate(todo):
             self.writer.submit(key, toks, per_chunk[k], ready)
             self._remember(key)
             self.stats.chunks_queued += 1
+            for prof in self.profiles.profiles:  # after the lossless entry: a lookup finds that first
+                pkey = profile_key(key, prof.spec)
+                self.profiles.pending.add(pkey.hex)
+                self.writer.submit(pkey, toks, self.profiles.pending_layers(prof.spec, plain[k]),
+                                   ready if plain is per_chunk else ready_plain)
         self.stats.write_seconds += time.perf_counter() - t0
 
     # ---- spill on evict ----------------------------------------------------------------------------------
@@ -566,8 +608,10 @@ class Restorer:
             if self.writer is not None:
                 stack.enter_context(self.writer.held())
             plan = self.plan_for(picked)
-            jobs = [RestoreJob(seq.token_ids, start, cached, seq.num_tokens, keys, [start + j for j in js])
-                    for (seq, start, cached, keys), js in zip(picked, plan.boundaries)]
+            keys_of = self._plan_keys or [keys for *_, keys in picked]
+            jobs = [RestoreJob(seq.token_ids, start, cached, seq.num_tokens, keys, [start + j for j in js],
+                               profile=self.plan_profile)
+                    for (seq, start, cached, _), keys, js in zip(picked, keys_of, plan.boundaries)]
             seqs = [p[0] for p in picked]
             port = EnginePort(eng.runner, seqs)
             # Stealing (the idle link takes recompute chunks when compute runs slower than planned) for every plan
@@ -585,7 +629,7 @@ class Restorer:
                 self._no_restore.add(seq.request_id)
                 eng.scheduler.requeue_restored(seq)
             return None
-        return _Flight(picked, plan, run, seqs, stack)
+        return _Flight(picked, plan, run, seqs, stack, self.plan_profile)
 
     def _quantum_cost(self, batch: int):  # noqa: ANN202
         """Predicted seconds of one layer call over segments (F as the executor pays it, per request's rows)."""
@@ -629,7 +673,7 @@ class Restorer:
         if share < 1.0:  # interleaved with decode steps: its compute gets this part of the wall clock, loads all
             cost = replace(cost, replay_time=replace(cost.replay_time, scale=cost.replay_time.scale / share),
                            suffix_overhead=cost.suffix_overhead / share)
-        best = make_plan(method, reqs, cost, bw, self.chunk)
+        best, cost = self._choose_profile(picked, method, reqs, cost, bw)
         if method != "cacheflow" or not self.cfg.steal or self.cfg.hedge == 0.0:
             return best
         rt = replace(cost.replay_time, scale=cost.replay_time.scale * (1.0 - self.cfg.hedge))
@@ -639,25 +683,61 @@ class Restorer:
         best.method = "cacheflow-hedged"
         return best
 
+    def _choose_profile(self, picked: list, method: str, reqs: list[RestoreRequest], cost: BlockCost, bw: float
+                        ) -> tuple[Plan, BlockCost]:
+        """The joint restore x compress plan: the lossless entries' plan, or, among the profiles serving every
+        request's ``kv_min_quality`` whose entries the store holds, the one whose plan predicts the least time,
+        priced at its bytes per token and decode seconds per token (``profile_policy`` can fix the choice).
+        Sets ``plan_profile`` and ``_plan_keys`` (the chosen entries' keys; None: the lossless ones)."""
+        self.plan_profile, self._plan_keys = None, None
+        best = make_plan(method, reqs, cost, bw, self.chunk)
+        policy = self.profile_policy
+        if not self.profiles or method == "recompute" or policy == "lossless":
+            return best, cost
+        if policy is not None:  # profiles are kept by their canonical spec
+            policy = self.profiles.canonical(policy)
+        qmin = min(seq.params.kv_min_quality for seq, *_ in picked)
+        for prof in self.profiles.eligible(qmin):
+            if policy is not None and prof.spec != policy:
+                continue
+            keys = self.profiles.held(self.store, prof.spec, [(k, start, cached) for _, start, cached, k in picked])
+            if keys is None:
+                continue
+            w = self.writer.stats if self.writer is not None else None
+            written = (w.profile_bytes.get(prof.spec, 0), w.profile_entries.get(prof.spec, 0)) if w else (0, 0)
+            pc = replace(cost, kv_bytes_per_token=self.profiles.bytes_per_token(prof.spec, written,
+                                                                                  self.plain_bytes_per_token),
+                         decode_seconds_per_token=self.profiles.decode_seconds_per_token(prof.spec))
+            cand = make_plan(method, reqs, pc, bw, self.chunk)
+            if policy is not None or cand.predicted_seconds < best.predicted_seconds:
+                best, cost, self.plan_profile, self._plan_keys = cand, pc, prof.spec, keys
+        return best, cost
+
     def _complete(self, f: "_Flight") -> list[RequestOutput]:
         """A finished run: learn from it, sample first tokens, and start its live requests (aborted ones released)."""
         eng = self.engine
         picked, plan, res, seqs = f.picked, f.plan, f.run.result(), f.seqs
         self._learn_overheads(picked, res)
-        if res.load_bytes and res.load_seconds > res.link_wait_seconds:
+        if f.profile is not None:
+            self.profiles.observe_loaded(f.profile, res.load_bytes, res.loaded_entries, res.decode_seconds,
+                                         res.decoded_entries)
+        elif res.load_bytes and res.load_seconds > res.link_wait_seconds:  # the tier's own entries: its path rate
             self.profile.observe_path(self.tier, res.load_bytes, res.load_seconds - res.link_wait_seconds,
                                       overlapped=res.recompute_seconds > 0)
         tokens = sample(res.logits, [s.params for s in seqs], [s.generator for s in seqs])
         if eng.runner.pool is not None:  # compressed pool: compress the full pages just filled
             p = eng.runner.page_size
             eng.runner.pool.compress([pid for seq, start, _, _ in picked for pid in seq.pages[start // p:seq.num_tokens // p]])
-        self._account(picked, plan, res)
+        self._account(picked, plan, res, f.profile)
         outputs = []
         now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
             if seq.finished:  # aborted while it was restored
                 eng.scheduler.finish(seq)
                 continue
+            if f.profile is not None and not self.profiles.get(f.profile).lossless:
+                self._tainted.add(seq.request_id)
+                eng.block_manager.uncacheable.add(seq.request_id)
             eng.scheduler.run_restored(seq)
             out = eng.emit_first_token(seq, tok, now)
             if out is not None:
@@ -689,9 +769,10 @@ class Restorer:
             prof.observe_suffix(sum(times) / len(times), sigma)
         prof.observe_overhead(res.overhead_seconds)
 
-    def _account(self, picked: list, plan: Plan, res: RestoreResult) -> None:
+    def _account(self, picked: list, plan: Plan, res: RestoreResult, profile: str | None = None) -> None:
         st = self.stats
         st.restorations += 1
+        st.profile_requests += len(picked) if profile is not None else 0
         st.requests += len(picked)
         st.restored_tokens += sum(cached - start for _, start, cached, _ in picked)
         st.recomputed_tokens += res.recomputed_tokens
@@ -727,7 +808,9 @@ class Restorer:
             stolen_tokens=res.stolen_tokens, load_batches=res.load_batches,
             planned_load_seconds=res.planned_load_seconds, planned_load_bytes=res.planned_load_bytes,
             layer_recompute_seconds=list(res.layer_recompute_seconds), paused_seconds=res.paused_seconds,
-            advances=res.advances))
+            advances=res.advances, profile=profile,
+            profile_quality=self.profiles.get(profile).quality if profile is not None else 1.0,
+            decode_seconds=res.decode_seconds))
 
     def close(self) -> None:
         f, self._flight = self._flight, None

@@ -18,6 +18,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    # the least relative quality of KV a restoration may give this request (1.0: lossless entries only; below 1, it
+    # may be restored from entries stored under a KVServe profile of at least this quality, RestoreConfig.store_profiles)
+    kv_min_quality: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +41,8 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        if not _number(self.kv_min_quality) or not 0.0 <= self.kv_min_quality <= 1.0:
+            raise ValueError(f"kv_min_quality must be a number in [0, 1] (1: lossless), got {self.kv_min_quality!r}")
 
     @property
     def greedy(self) -> bool:

@@ -69,7 +69,7 @@ def _cake_split(n: int, cost: BlockCost, bw: float, chunk: int) -> int:
     """Token where front recompute and back loading meet (all L blocks per chunk on both sides)."""
     if n == 0:
         return 0
-    L, s, R = cost.num_blocks, cost.kv_bytes_per_token, cost.state_bytes
+    L, s, R = cost.num_blocks, cost.load_bytes_per_token(bw), cost.state_bytes
     n_chunks = -(-n // chunk)
     bounds = [min(i * chunk, n) for i in range(n_chunks + 1)]
     F = replay_times(cost.replay_time, bounds)
@@ -91,7 +91,7 @@ def _layer_split(n: int, cost: BlockCost, bw: float) -> int:
         return cost.num_blocks
     L = cost.num_blocks
     f = float(replay_times(cost.replay_time, [n])[0])
-    d = cost.transfer_bytes(n, 0) / bw
+    d = cost.transfer_bytes(n, 0) / bw + cost.decode_seconds_per_token * n
     front = back = 0
     while front + back < L:
         if (front + 1) * f <= (back + 1) * d:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Sequence
 
 import numpy as np
@@ -116,6 +116,9 @@ class BlockCost:
     * ``suffix_scale`` k: sigma_r is taken as k (F(N + Ns) - F(N)). F comes from replays from position 0 (its top
       knots possibly from whole prefills), so a long suffix call need not run at that difference, and a sigma that
       is too high makes the plan load everything where recomputing part would be free.
+    * ``decode_seconds_per_token`` t: seconds the load path spends decoding each loaded token of a block (entries
+      stored under a KVServe profile; 0 for plain and ZipFusion entries): the load side is Q/B + t * sum (N - j),
+      i.e. each token loads at s + t B bytes' worth of link time (``load_bytes_per_token``).
     """
 
     num_blocks: int
@@ -125,6 +128,7 @@ class BlockCost:
     suffix_overhead: float = 0.0
     fixed_seconds: float = 0.0
     suffix_scale: float = 1.0
+    decode_seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         n = _as_int("num_blocks", self.num_blocks)
@@ -133,7 +137,7 @@ class BlockCost:
         object.__setattr__(self, "num_blocks", n)
         object.__setattr__(self, "kv_bytes_per_token", _as_pos_float("kv_bytes_per_token", self.kv_bytes_per_token))
         object.__setattr__(self, "state_bytes", _as_pos_float("state_bytes", self.state_bytes, allow_zero=True))
-        for name in ("suffix_overhead", "fixed_seconds"):
+        for name in ("suffix_overhead", "fixed_seconds", "decode_seconds_per_token"):
             object.__setattr__(self, name, _as_pos_float(name, getattr(self, name), allow_zero=True))
         object.__setattr__(self, "suffix_scale", _as_pos_float("suffix_scale", self.suffix_scale))
         if not callable(self.replay_time):
@@ -141,6 +145,10 @@ class BlockCost:
         f0 = float(self.replay_time(0))
         if not math.isfinite(f0) or abs(f0) > 1e-12:
             raise ValueError(f"replay_time(0) must be 0 (nothing to replay), got {f0!r}")
+
+    def load_bytes_per_token(self, bandwidth: float) -> float:
+        """s + t B: a loaded token's link bytes plus its decode time in bytes of the link (what the solvers use)."""
+        return self.kv_bytes_per_token + self.decode_seconds_per_token * bandwidth
 
     def transfer_bytes(self, cached_tokens: int, boundary: int) -> float:
         """d(j) = s (N - j) + R [j < N]: bytes one block loads when it recomputes [0, j)."""
@@ -274,11 +282,14 @@ def price_staircase(
         )  # Python scalars from .tolist(): batches are small and indexing arrays per field costs more
         for p, q, sg, rt, n in zip(P_r, Q_r, sigma.tolist(), J.sum(1).tolist(), N.tolist())
     )
+    t = cost.decode_seconds_per_token
+    if t:  # the decode of every loaded token, on the load path
+        per = tuple(replace(rc, load_seconds=rc.load_seconds + t * rc.loaded_tokens) for rc in per)
     if sig is None:
         sig = float(sigma.sum()) + suffix_call(cost, sigma.size > 0 and has_suffix)
     return StaircaseCost(
         compute_seconds=P + cost.num_blocks * sig,
-        load_seconds=Q / bandwidth + sig,
+        load_seconds=Q / bandwidth + sig + (t * sum(rc.loaded_tokens for rc in per) if t else 0.0),
         recompute_seconds=P,
         load_bytes=Q,
         suffix_seconds_per_block=sig,

@@ -25,6 +25,7 @@ from kvtide.cache import zip_blocks
 from kvtide.store.base import ChunkCorrupt, StoreUnavailable, record_bytes_bound, token_array
 from kvtide.store.zip_entry import BLOCK_SIZE as ZIP_BLOCK_SIZE
 from kvtide.store.zip_entry import ZipEntry
+from kvtide.store.profile_entry import ProfileEntry
 from kvtide.store.keys import ChunkKey
 
 __all__ = ["LoadConfig", "ModelPort", "RestoreExecutor", "RestoreJob", "RestoreResult", "RestoreRun", "Segment",
@@ -76,6 +77,9 @@ class RestoreJob:
     total: int
     keys: Sequence[ChunkKey]  # chunk keys of the prefix, chunk c covers [c*C, (c+1)*C)
     boundaries: list[int]  # absolute j_i per layer: recompute [start, j_i), load [j_i, cached)
+    # the KVServe profile the entries under ``keys`` were stored by (None: lossless entries); an entry of another
+    # profile, or a lossless one where a profile's is expected (and the reverse), is refused as corrupt
+    profile: str | None = None
 
     def validate(self, num_layers: int, chunk: int) -> None:
         if not 0 <= self.start <= self.cached < self.total <= len(self.token_ids):
@@ -179,6 +183,8 @@ class RestoreResult:
     # time between ``RestoreRun.advance`` calls (the caller's own work, e.g. decode steps), within total_seconds
     paused_seconds: float = 0.0
     advances: int = 0  # advance calls that ran compute work (1 for a blocking run)
+    decode_seconds: float = 0.0  # I/O thread decoding entries stored under a KVServe profile (within load_seconds)
+    decoded_entries: int = 0
 
 
 class _Loads:
@@ -209,6 +215,8 @@ class _Loads:
         self.tokens = 0
         self.batches = 0
         self.link_wait = 0.0
+        self.decode_seconds = 0.0  # profile entries decoded on the I/O thread
+        self.decoded_entries = 0
         self.crash: BaseException | None = None
 
 
@@ -433,6 +441,10 @@ class RestoreExecutor:
                 kv = self.store.open(blob, key, layer, st.token_ids[r][c * C:(c + 1) * C], copy=False,
                                      decode=False, **kw).tensor
                 self._check_entry(kv, key, layer, want)
+                got = kv.profile if isinstance(kv, ProfileEntry) else None
+                if got != jobs[r].profile:
+                    raise ChunkCorrupt(f"entry {key.entry_name(layer)} is stored under profile {str(got)[:40]!r}, "
+                                       f"this load wants {str(jobs[r].profile)[:40]!r}", key.entry_name(layer))
                 if isinstance(kv, ZipEntry) and kv.block_size != ZIP_BLOCK_SIZE:  # one decode launch per fetch
                     raise ChunkCorrupt(f"entry {key.entry_name(layer)} has ZipFusion blocks of {kv.block_size}, this "
                                        f"loader decodes blocks of {ZIP_BLOCK_SIZE}", key.entry_name(layer))
@@ -449,11 +461,13 @@ class RestoreExecutor:
                 _record_failure(st, r, layer, c, a, kv)
             else:
                 ok.append((i, kv))
+        placed = self._place_profiled(flat, [(i, kv) for i, kv in ok if isinstance(kv, ProfileEntry)], st)
+        ok = [(i, kv) for i, kv in ok if not isinstance(kv, ProfileEntry)]
         after = None
         if self.port.device.type == "cuda":
-            placed, after = self._place_cuda(flat, ok, pool, direct=getattr(f, "pinned", False))
+            placed_dev, after = self._place_cuda(flat, ok, pool, direct=getattr(f, "pinned", False))
+            placed += placed_dev
         else:
-            placed = []
             for i, kv in ok:
                 layer, (r, c, a, b) = flat[i]
                 if isinstance(kv, ZipEntry):
@@ -468,6 +482,33 @@ class RestoreExecutor:
                 st.entries += 1
                 st.tokens += b - a
         return after
+
+    def _place_profiled(self, flat: list[tuple[int, tuple[int, int, int, int]]], ok: list[tuple[int, ProfileEntry]],
+                        st: _Loads) -> list[int]:
+        """Decode profile entries on the port's device (on CUDA on the I/O stream, synchronised so the decode time
+        is measured) and write them to the pages; returns the placed indices. A blob that does not decode is a
+        failed entry (recomputed), like any other."""
+        if not ok:
+            return []
+        C, dev = self.chunk, self.port.device
+        cuda = dev.type == "cuda"
+        t0 = time.perf_counter()
+        placed = []
+        for i, e in ok:
+            layer, (r, c, a, b) = flat[i]
+            try:
+                kv = e.decode(dev if cuda else None)
+            except Exception as ex:  # noqa: BLE001 - a blob that does not decode costs a recompute, never garbage
+                _record_failure(st, r, layer, c, a, ex)
+                continue
+            self.port.write_kv(layer, r, a, kv[:, a - c * C:b - c * C])
+            placed.append(i)
+        if cuda:
+            torch.cuda.current_stream(dev).synchronize()
+        with st.lock:
+            st.decode_seconds += time.perf_counter() - t0
+            st.decoded_entries += len(ok)
+        return placed
 
     def _place_cuda(self, flat: list[tuple[int, tuple[int, int, int, int]]], ok: list[tuple[int, torch.Tensor]],
                     pool: ThreadPoolExecutor | None, direct: bool = False) -> tuple[list[int], Any]:
@@ -840,6 +881,7 @@ class RestoreRun:
         res.failures = list(st.failures)
         res.load_bytes, res.loaded_entries, res.loaded_tokens = st.bytes, st.entries, st.tokens
         res.load_batches, res.link_wait_seconds, res.stolen_tokens = st.batches, st.link_wait, st.stolen
+        res.decode_seconds, res.decoded_entries = st.decode_seconds, st.decoded_entries
         res.boundaries = [list(b) for b in st.bounds]
         jobs = self.jobs
         loads = any(j.boundaries[-1] < j.cached for j in jobs)
@@ -852,7 +894,10 @@ class RestoreRun:
         res.paused_seconds = self.paused_seconds
         stair, marks, start, suffix_paused = self.marks
         ex._times(jobs, res, self.clock, stair, start, marks, self.profile, suffix_paused)
-        if self.profile is not None and res.planned_load_bytes and res.planned_load_seconds > 0:
+        # the link's rate is learnt from plain loads only: with profile entries the I/O thread's time holds their
+        # decode, which the planner prices apart (BlockCost.decode_seconds_per_token)
+        if self.profile is not None and res.planned_load_bytes and res.planned_load_seconds > 0 \
+                and not res.decoded_entries:
             self.profile.observe_load(res.planned_load_bytes, res.planned_load_seconds,
                                       overlapped=res.recompute_seconds > 0)
         self.done = True

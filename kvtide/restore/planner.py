@@ -164,7 +164,8 @@ def plan(
     Nsl = [r.suffix_tokens for r in requests]
     n = len(Nl)
     N = np.array(Nl, dtype=np.int64)
-    s, R = cost.kv_bytes_per_token, cost.state_bytes
+    # a loaded token costs s/B of link plus t of decode: the solvers see (s + t B)/B, the same objective
+    s, R = cost.load_bytes_per_token(B), cost.state_bytes
     kmax = -(-max(Nl) // C)
     # F in one call (it may be a profile) at the grid min(i C, max N) for i = 0..kmax, then at N, then at N + Ns
     grid_tokens = [*range(0, kmax * C, C), max(Nl)]

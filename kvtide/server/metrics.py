@@ -54,6 +54,7 @@ class EngineSnapshot:
     compression_ratio: float = 1.0  # raw / stored bytes of the compressed pages held (1: no compression)
     restore_method: str | None = None
     restorations: int = 0  # requests restored
+    profile_restorations: int = 0  # of those, restored from entries stored under a KVServe profile
     fallbacks: dict[str, int] = field(default_factory=dict)
     store_bytes_loaded: int = 0
     store_bytes_written: int = 0
@@ -161,6 +162,7 @@ class ServerMetrics:
         fallbacks = {"load_failed": rs.fallbacks, "error": rs.errors, "lookup_failed": rs.lookup_failures,
                      "lookup_deferred": rs.lookups_deferred}
         out: dict[str, Any] = dict(restore_method=restorer.cfg.method, restorations=rs.requests,
+                                   profile_restorations=rs.profile_requests,
                                    external_hit_tokens=rs.restored_tokens)
         try:
             counts = restorer.store.stats.snapshot()
@@ -227,6 +229,8 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hit_tokens)
         yield counter("external_prefix_cache_hits", "Prompt tokens restored from a KV store.", s.external_hit_tokens)
         yield counter("store_bytes_loaded", "Bytes read from the KV store.", s.store_bytes_loaded)
+        yield counter("profile_restorations", "Requests restored from KV store entries kept under a KVServe "
+                      "profile (within their quality budget).", s.profile_restorations)
         yield counter("store_bytes_written", "Bytes written to the KV store.", s.store_bytes_written)
         r = CounterMetricFamily(PREFIX + "restorations", "Requests restored from a KV store, by method.",
                                 labels=["model_name", "method"])

@@ -144,9 +144,11 @@ class Serving:
             for j in range(req.n):
                 seed = None if req.seed is None else (req.seed + j) % SEED_SPACE
                 try:
+                    # kv_transfer.min_quality (else the server's default) also bounds what a restoration may load
+                    q = req.kv_min_quality if req.kv_min_quality is not None else self.cfg.kv_min_quality
                     out.append(SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                               max_tokens=max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos,
-                                              seed=seed))
+                                              seed=seed, kv_min_quality=q))
                 except ValueError as e:  # protocol checked every field: a mismatch of the two checks
                     raise bad(None, str(e)) from None
         return out

@@ -105,3 +105,12 @@ def chunk_tokens(tokens: Sequence[int] | np.ndarray, key: ChunkKey, space: KeySp
     arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
     C = space.chunk_tokens
     return arr[key.index * C : (key.index + 1) * C]
+
+
+def profile_key(key: ChunkKey, profile: str) -> ChunkKey:
+    """The key of chunk ``key``'s entries stored under a KVServe profile (a pipeline spec): derived from the lossless
+    key (so from everything it binds, the store secret's salt included) and the spec, never equal to a lossless key,
+    so a lossy entry can never answer a lossless fetch."""
+    if not isinstance(profile, str) or not profile:
+        raise ValueError(f"profile must be a non-empty pipeline spec, got {profile!r}")
+    return ChunkKey(_h(b"profile", bytes.fromhex(key.hex), profile.encode()).hex(), key.index)

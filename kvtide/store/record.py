@@ -14,7 +14,8 @@ Record format, version 4 (all little endian)::
         space-padded so the payload starts on a 64-byte boundary of the record (zero-copy views, aligned copies)
         body: token section (u32 ids, 4 * num_tokens bytes; or with TOKEN_HASH their 32-byte hash), then the KV
         tensor's raw bytes (C order), e.g. [2, tokens, kv_heads, head_dim] BF16; with ``"codec": "zip1"`` the same KV
-        in the ZipFusion format instead (:mod:`kvtide.store.zip_entry`)
+        in the ZipFusion format instead (:mod:`kvtide.store.zip_entry`); with ``"codec": "kvs1"`` and ``"profile"`` (a
+        pipeline spec) that profile's container blob of the KV (:mod:`kvtide.store.profile_entry`)
 
 Versions 1 (blake2b-128, no padding), 2 (CRC-32 then 12 zero bytes) and 3 (v4 without flags) are read only by a
 store without a secret. The unkeyed digest does not cover the header: its fields are checked against the record's
@@ -51,6 +52,8 @@ from kvtide.store.keys import ChunkKey, token_bytes
 from kvtide.store.zip_entry import BLOCK_SIZE as ZIP_BLOCK_SIZE
 from kvtide.store.zip_entry import CODEC as ZIP_CODEC
 from kvtide.store.zip_entry import ZipEntry, check_payload, max_payload_nbytes
+from kvtide.store.profile_entry import CODEC as PROFILE_CODEC
+from kvtide.store.profile_entry import ProfileEntry, check_profile_name
 
 RECORD_MAGIC = b"KVTR"
 RECORD_VERSION = 4  # written; READ_VERSIONS are read
@@ -142,14 +145,15 @@ def _digest(meta: bytes | memoryview, body: bytes | memoryview, version: int = 3
 
 
 def encode_record(
-    key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: "torch.Tensor | ZipEntry",
+    key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, kv: "torch.Tensor | ZipEntry | ProfileEntry",
     alloc: Callable[[int], torch.Tensor] | None = None, *, auth: RecordAuth | None = None,
     store_token_ids: bool = True,
 ) -> memoryview:
     """Serialise one (chunk, layer) entry; returns a read-only byte view of the record.
 
     ``kv``: the KV tensor, or a ``ZipEntry`` (the same KV in the ZipFusion format, encoded by the caller on its
-    device; stored with ``codec: "zip1"``, see :mod:`kvtide.store.zip_entry`).
+    device; stored with ``codec: "zip1"``, see :mod:`kvtide.store.zip_entry`), or a ``ProfileEntry`` (a KVServe
+    profile's blob of it; ``codec: "kvs1"``, :mod:`kvtide.store.profile_entry`).
     ``alloc(nbytes)``: the uint8 CPU tensor to build the record in (a tier's own slot, which saves a copy);
     default a fresh one. ``auth``: sign the record with the store secret (flag KEYED). ``store_token_ids=False``:
     the record holds a hash of the token ids (keyed when ``auth`` is given) instead of the ids.
@@ -160,8 +164,9 @@ def encode_record(
     thread wait for it (``bench/writer_interference.py`` measures the difference).
     """
     zipped = isinstance(kv, ZipEntry)
-    if not zipped and not isinstance(kv, torch.Tensor):
-        raise TypeError(f"kv must be a torch.Tensor or a ZipEntry, got {type(kv).__name__}")
+    profiled = isinstance(kv, ProfileEntry)
+    if not zipped and not profiled and not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor, a ZipEntry or a ProfileEntry, got {type(kv).__name__}")
     if kv.dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported KV dtype {kv.dtype}; one of {sorted(DTYPES)}")
     shape = list(kv.shape)
@@ -183,6 +188,9 @@ def encode_record(
             raise ValueError(f"ZipEntry data holds {kv.data.numel()} bytes, its descriptors say {packed}")
         desc_nbytes = -(-kv.num_blocks // 16) * 16
         nbytes = desc_nbytes + packed
+    elif profiled:
+        fields_.update(codec=PROFILE_CODEC, profile=kv.profile)
+        nbytes = kv.nbytes
     else:
         nbytes = kv.numel() * kv.element_size()
     meta = json.dumps(fields_, separators=(",", ":")).encode()
@@ -199,6 +207,8 @@ def encode_record(
         buf[start:start + nb].copy_(kv.desc.reshape(-1))
         buf[start + nb:start + desc_nbytes].zero_()
         buf[start + desc_nbytes:].copy_(kv.data[:packed])
+    elif profiled:
+        arr[start:] = np.frombuffer(kv.blob, np.uint8)
     elif nbytes:
         buf[start:].view(kv.dtype).view(kv.shape).copy_(kv.detach())
     _HEADER.pack_into(arr, 0, RECORD_MAGIC, RECORD_VERSION, flags, len(meta), len(tok) + nbytes, bytes(16))
@@ -213,7 +223,7 @@ def encode_record(
 
 # Metadata after its key and layer (dtype, shape, token count, byte order: the same for every entry of a model),
 # parsed once: a JSON parse per entry would be a large share of the GIL-held work of a load's verify. Bounded.
-_META_TAILS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, str | None, int]] = {}
+_META_TAILS: dict[bytes, tuple[torch.dtype, tuple[int, ...], int, str | None, int, str | None]] = {}
 _META_TAILS_MAX = 256
 
 
@@ -228,7 +238,7 @@ def _int_field(parsed: dict, field: str, lo: int, hi: int, default: int | None =
     return v
 
 
-def _parse_meta(meta: bytes) -> tuple[dict, torch.dtype, list[int], int, str | None, int]:
+def _parse_meta(meta: bytes) -> tuple[dict, torch.dtype, list[int], int, str | None, int, str | None]:
     """The metadata's fields, each of its type and range (ValueError naming the field otherwise)."""
     parsed = json.loads(meta, parse_constant=_no_constant, parse_float=lambda s: _no_constant(s))
     if not isinstance(parsed, dict):
@@ -247,18 +257,21 @@ def _parse_meta(meta: bytes) -> tuple[dict, torch.dtype, list[int], int, str | N
     if codec is not None and not isinstance(codec, str):
         raise ValueError(f"codec {codec!r} is not a string")
     block_size = _int_field(parsed, "block_size", 0, 1 << 31, default=0)
+    profile = parsed.get("profile")
+    if profile is not None and check_profile_name(profile) is not None:
+        raise ValueError(check_profile_name(profile))
     layer = parsed.get("layer")
     if not isinstance(parsed.get("key"), str) or not isinstance(layer, int) or isinstance(layer, bool):
         raise ValueError(f"key {parsed.get('key')!r} / layer {parsed.get('layer')!r} of the wrong type")
     if not isinstance(parsed.get("byteorder", "little"), str):
         raise ValueError(f"byteorder {parsed.get('byteorder')!r} is not a string")
-    return parsed, DTYPES[dtype_name], list(shape), n_tok, codec, block_size
+    return parsed, DTYPES[dtype_name], list(shape), n_tok, codec, block_size, profile
 
 
 def _read_meta(meta: bytes, key: ChunkKey, layer: int, name: str
-               ) -> tuple[torch.dtype, list[int], int, str | None, int]:
-    """(dtype, shape, num_tokens, codec, block size) of a record's metadata, checked against the caller's key and
-    layer (codec None: the payload is the tensor's raw bytes).
+               ) -> tuple[torch.dtype, list[int], int, str | None, int, str | None]:
+    """(dtype, shape, num_tokens, codec, block size, profile) of a record's metadata, checked against the caller's
+    key and layer (codec None: the payload is the tensor's raw bytes; profile: the spec of a ``kvs1`` record).
 
     Fast path: ``encode_record`` writes the key and layer first, so metadata that starts with exactly the expected
     ``{"key":"<hex>","layer":<n>,`` and ends in a tail already parsed (and checked) is that entry's. Tails naming a
@@ -269,17 +282,19 @@ def _read_meta(meta: bytes, key: ChunkKey, layer: int, name: str
     if meta.startswith(prefix):
         hit = _META_TAILS.get(meta[len(prefix):])
         if hit is not None:
-            return hit[0], list(hit[1]), hit[2], hit[3], hit[4]
+            return hit[0], list(hit[1]), hit[2], hit[3], hit[4], hit[5]
     try:
-        parsed, dtype, shape, n_tok, codec, block_size = _parse_meta(meta)
+        parsed, dtype, shape, n_tok, codec, block_size, profile = _parse_meta(meta)
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
         raise ChunkCorrupt(f"{name}: unreadable metadata ({type(e).__name__}: {str(e)[:120]})", name) from None
     if parsed.get("key") != key.hex or parsed.get("layer") != layer:
         raise ChunkCorrupt(f"{name}: entry is for {str(parsed.get('key'))[:40]}.{parsed.get('layer')}", name)
     if parsed.get("byteorder", "little") != sys.byteorder:
         raise ChunkCorrupt(f"{name}: written on a {str(parsed.get('byteorder'))[:20]}-endian host", name)
-    if codec not in (None, ZIP_CODEC):
+    if codec not in (None, ZIP_CODEC, PROFILE_CODEC):
         raise ChunkCorrupt(f"{name}: unknown codec {codec[:20]!r}", name)
+    if (codec == PROFILE_CODEC) != (profile is not None):
+        raise ChunkCorrupt(f"{name}: codec {codec!r} with profile {str(profile)[:40]!r}", name)
     if codec is not None and dtype != torch.bfloat16:
         raise ChunkCorrupt(f"{name}: codec {codec} holds bfloat16, metadata says {parsed['dtype']}", name)
     if len(shape) < 2 or shape[0] != 2 or shape[1] != n_tok:
@@ -287,8 +302,8 @@ def _read_meta(meta: bytes, key: ChunkKey, layer: int, name: str
     tail = meta[len(prefix):]
     if (meta.startswith(prefix) and b'"key"' not in tail and b'"layer"' not in tail and b"\\" not in tail
             and len(_META_TAILS) < _META_TAILS_MAX):
-        _META_TAILS[tail] = (dtype, tuple(shape), n_tok, codec, block_size)
-    return dtype, shape, n_tok, codec, block_size
+        _META_TAILS[tail] = (dtype, tuple(shape), n_tok, codec, block_size, profile)
+    return dtype, shape, n_tok, codec, block_size, profile
 
 
 def _authenticate(view: memoryview, version: int, flags: int, digest: bytes, auth: RecordAuth | None,
@@ -317,13 +332,14 @@ def decode_record(
     blob: bytes, key: ChunkKey, layer: int, tokens: Sequence[int] | np.ndarray, name: str = "", *, copy: bool = True,
     decode: bool = True, auth: RecordAuth | None = None, dtype: torch.dtype | None = None,
     max_bytes: int | None = None,
-) -> "torch.Tensor | ZipEntry":
+) -> "torch.Tensor | ZipEntry | ProfileEntry":
     """Verify and deserialise an entry; raises the specific ``StoreError`` for each failed check.
 
     ``copy=False`` returns a read-only view of ``blob`` (it keeps ``blob`` alive): for callers that copy the KV
     into place at once, which saves one copy of every loaded byte. ``decode=False``: an entry stored in the
     ZipFusion format comes back as that ``ZipEntry`` (its descriptors and lengths checked), for a caller that
-    decodes on its device; with True it is decoded here (torch, on the CPU: slow, for tests and small models).
+    decodes on its device; with True it is decoded here (torch, on the CPU: slow, for tests and small models). The
+    same for a profile's (``kvs1``) entry: a ``ProfileEntry``, or decoded here on the CPU (bounded by its shape).
     ``auth``: the store's secret keys (only records with its MAC pass); ``dtype``: the KV dtype the caller's pages
     hold (another is ``ChunkCorrupt``); ``max_bytes``: a larger record is ``ChunkOversize``.
     """
@@ -355,7 +371,7 @@ def decode_record(
         _authenticate(view, version, flags, digest, auth, name)
     meta_b = view[HEADER_BYTES : HEADER_BYTES + meta_len]
     body = view[HEADER_BYTES + meta_len :]
-    rec_dtype, shape, n_tok, codec, block_size = _read_meta(bytes(meta_b), key, layer, name)
+    rec_dtype, shape, n_tok, codec, block_size, profile = _read_meta(bytes(meta_b), key, layer, name)
     if dtype is not None and rec_dtype != dtype:
         raise ChunkCorrupt(f"{name}: KV dtype {_DTYPE_NAMES[rec_dtype]}, this engine's is "
                            f"{_DTYPE_NAMES.get(dtype, dtype)}", name)
@@ -374,6 +390,14 @@ def decode_record(
         raise TokenMismatch(f"{name}: stored token ids differ from the request's prefix", name)
     payload = body[tok_len:]
     off = HEADER_BYTES + meta_len + tok_len
+    if codec == PROFILE_CODEC:
+        e = ProfileEntry(payload.tobytes(), tuple(shape), profile)
+        if not decode:
+            return e
+        try:
+            return e.decode()
+        except ChunkCorrupt as ex:
+            raise ChunkCorrupt(f"{name}: {ex}", name) from None
     if codec is not None:
         return _zip_entry(blob, payload, off, shape, block_size, name, copy, decode)
     itemsize = _ITEMSIZE[rec_dtype]

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -47,6 +47,9 @@ class WriterStats:
     refused: int = 0  # admit() calls turned away by max_bytes
     zip_entries: int = 0  # of entries, those given as ZipEntry (stored in the ZipFusion format), and their bytes
     zip_bytes: int = 0
+    # entries stored under a KVServe profile (``PendingProfileEntry``), and their record bytes, by profile spec
+    profile_entries: dict[str, int] = field(default_factory=dict)
+    profile_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class StoreWriter:
@@ -181,6 +184,9 @@ class StoreWriter:
                 written = True
                 for i, kv in enumerate(layers):
                     self._open.wait()
+                    materialize = getattr(kv, "materialize", None)  # a profile's entry, encoded here
+                    if materialize is not None:
+                        kv = materialize()
                     n = self.store.put(key, i, tokens, kv)
                     if not n:
                         self.stats.declined += 1
@@ -188,7 +194,12 @@ class StoreWriter:
                         break
                     self.stats.bytes += n
                     self.stats.entries += 1
-                    if hasattr(kv, "held_nbytes"):
+                    profile = getattr(kv, "profile", None)
+                    if profile is not None:
+                        st = self.stats
+                        st.profile_entries[profile] = st.profile_entries.get(profile, 0) + 1
+                        st.profile_bytes[profile] = st.profile_bytes.get(profile, 0) + n
+                    elif hasattr(kv, "held_nbytes"):
                         self.stats.zip_entries += 1
                         self.stats.zip_bytes += n
                 if written:
