@@ -338,3 +338,24 @@ class MixHQ(Grouped):
         per_head = np.full(L * H, self.lo, dtype=np.int64)
         per_head[order.numpy()] = self.hi
         return np.repeat(per_head.reshape(L, 1, H), 2, axis=1)
+
+
+@register(Quantizer)
+@dataclass(frozen=True)
+class MixLQ(MixHQ):
+    """Layer-wise mixed precision from the same measured head scores: the top ``frac`` of layers by mean head
+    score at ``hi`` bits, the rest at ``lo`` (the layer-granularity form of MixHQ the KVServe paper names)."""
+
+    name: ClassVar[str] = "mixlq"
+
+    def bit_map(self, L, H, head_scores):
+        if head_scores is None:
+            raise ValueError("mixlq needs head_scores [layers, kv_heads] (pass them to the Pipeline)")
+        sc = torch.as_tensor(head_scores, dtype=torch.float64)
+        if tuple(sc.shape) != (L, H) or not torch.isfinite(sc).all():
+            raise ValueError(f"head_scores must be finite and shaped ({L}, {H}), got {tuple(sc.shape)}")
+        n_hi = int(round(self.frac * L))
+        order = torch.argsort(-sc.mean(1), stable=True)[:n_hi]
+        per_layer = np.full(L, self.lo, dtype=np.int64)
+        per_layer[order.numpy()] = self.hi
+        return np.broadcast_to(per_layer[:, None, None], (L, 2, H)).copy()
