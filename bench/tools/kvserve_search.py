@@ -68,12 +68,37 @@ class CachedEvaluator:
         return r.ratio, r.encode_throughput, r.decode_throughput, r.quality
 
 
+BO_KEYS = {"n_init": int, "lambda0": float, "decay": float, "prune_eps": float, "infeasible_margin": float,
+           "patience": int, "max_evals": int, "quality_clip": float}
+
+
+def variant(text: str) -> tuple[str, dict]:
+    """``name:key=value,...`` (keys of ProfilerConfig in BO_KEYS) -> (name, overrides)."""
+    name, _, rest = text.partition(":")
+    out = {}
+    for part in filter(None, rest.split(",")):
+        k, _, v = part.partition("=")
+        if k not in BO_KEYS:
+            raise argparse.ArgumentTypeError(f"variant {name!r}: unknown key {k!r}; known: {sorted(BO_KEYS)}")
+        out[k] = BO_KEYS[k](v)
+    return name, out
+
+
 def environment(args: argparse.Namespace) -> dict:
     import botorch
     return {"machine": platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average_at_start": list(os.getloadavg()), "python": platform.python_version(),
             "torch": torch.__version__, "botorch": botorch.__version__, "weights": "real (bundled GGUF, fp32 compute)",
-            "args": vars(args), "note": "shared 2-core CPU; throughputs indicative only (not used by the search)"}
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "note": "shared 2-core CPU; throughputs indicative only (not used by the search)"}
+
+
+def variants_of(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    return [("default", {})] + list(args.bo_variant)
+
+
+def bo_config(args: argparse.Namespace, over: dict, seed: int) -> ProfilerConfig:
+    kw = {"max_evals": args.max_evals, "n_init": args.n_init} | over
+    return ProfilerConfig(args.threshold, mode="bo", seed=seed, **kw)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-init", type=int, default=6)
     ap.add_argument("--full-seeds", type=int, default=2, help="BO runs on the full space (real evaluations)")
     ap.add_argument("--full-random-seeds", type=int, default=1, help="random runs on the full space, BO's budget")
+    ap.add_argument("--bo-variant", type=variant, action="append", default=[],
+                    help="extra BO settings replayed on the subset, name:key=value,... (repeatable)")
+    ap.add_argument("--full-variant", default="default", help="which BO variant runs on the full space")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", type=Path)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/kvserve_search_cpu.json")
@@ -116,8 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     if opt is None:
         doc["subset"] = {"optimum": None}
     else:
-        bo = [replay(sub, table, ProfilerConfig(args.threshold, mode="bo", max_evals=args.max_evals,
-                                                n_init=args.n_init, seed=s)) for s in range(args.seeds)]
+        variants, outcomes = {}, {}
+        for name, over in variants_of(args):
+            outcomes[name] = [replay(sub, table, bo_config(args, over, s)) for s in range(args.seeds)]
+            variants[name] = {"settings": over, **summary(outcomes[name])}
+            log.info("subset BO %s: %s", name, variants[name])
+        bo = outcomes["default"]
         rnd = [replay(sub, table, ProfilerConfig(args.threshold, mode="random", max_evals=len(specs), seed=s))
                for s in range(args.random_seeds)]
         b, r = summary(bo), summary(rnd)
@@ -127,15 +159,19 @@ def main(argv: list[str] | None = None) -> None:
             "random_expected_evaluations_to_optimum": (len(specs) + 1) / (len(opt[1]) + 1),
             "exhaustive_over_bo_median": (len(specs) / b["median_evaluations_to_optimum"]
                                           if b["median_evaluations_to_optimum"] else None),
-            "bo_runs": [x.as_dict() for x in bo], "random_runs": [x.as_dict() for x in rnd]}
+            "bo_variants": variants, "random_runs": [x.as_dict() for x in rnd],
+            "bo_variant_runs": {k: [x.as_dict() for x in v] for k, v in outcomes.items()}}
         log.info("subset optimum %.3f (%d specs); BO %s; random %s", opt[0], len(opt[1]), b, r)
     runs = []
     for mode, seeds in (("bo", args.full_seeds), ("random", args.full_random_seeds)):
         for s in range(seeds):
             before, t1 = ev.fresh, time.perf_counter()
-            res = Profiler(full, ev, ProfilerConfig(args.threshold, mode=mode, max_evals=args.max_evals,
-                                                    n_init=args.n_init, seed=s)).run()
-            runs.append({"mode": mode, "seed": s, "evaluations": res.evaluations, "stopped": res.stopped,
+            over = dict(variants_of(args))[args.full_variant] if mode == "bo" else {}
+            cfg = bo_config(args, over, s)
+            if mode == "random":
+                cfg = ProfilerConfig(args.threshold, mode="random", max_evals=args.max_evals, seed=s)
+            res = Profiler(full, ev, cfg).run()
+            runs.append({"mode": mode, "seed": s, "variant": args.full_variant if mode == "bo" else None, "evaluations": res.evaluations, "stopped": res.stopped,
                          "fresh_evaluations": ev.fresh - before, "seconds": round(time.perf_counter() - t1, 1),
                          "best_ratio": res.best.ratio if res.best else None,
                          "best_spec": res.best.spec if res.best else None,
