@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from .container import Entry, StreamRecord
 from .errors import ContainerError
-from .quantizers import Grouped, Quantizer
+from .quantizers import OUTLIER_STREAMS, Grouped, Quantizer
 from .transforms import Transform
 
 
@@ -24,7 +24,11 @@ class Stages(Protocol):
     transform: Transform
     quantizer: Quantizer
 
-SIDE_STREAMS = {"affine": ("mu", "sd")}  # transform -> its float32 [layers, 2, 1, kv_heads, head_dim] streams
+# transform -> {side stream: (dtype, which of K|V it covers)}; each is [layers, kv, 1, kv_heads, head_dim]
+SIDE_STREAMS: dict[str, dict[str, tuple[str, int]]] = {
+    "affine": {"mu": ("<f4", 2), "sd": ("<f4", 2)},
+    "kscale": {"e": ("|u1", 1)},
+}
 MAX_HADAMARD_DIM = 1024
 MAX_STREAM_VALUES = 5  # x the entry's values: codes + BF16 rest + scales and minima at g=1 + side streams at T=1
 BITS = frozenset(range(0, 9)) | {16}
@@ -47,10 +51,10 @@ def check_entry(p: Stages, e: Entry) -> None:
     if len(side) + len(q) != len(e.streams):
         got = [s.name for s in e.streams][:8]
         raise ContainerError(f"{where}: stream names must start with 't.' or 'q.', got {got}")
-    names = SIDE_STREAMS.get(p.transform.name, ())
+    names = SIDE_STREAMS.get(p.transform.name, {})
     _same_names(where, "side streams", side, set(names))
-    for n in names:
-        _stream(where, side[n], dtypes=("<f4",), shape=(L, 2, 1, H, D))
+    for n, (dt, kv) in names.items():
+        _stream(where, side[n], dtypes=(dt,), shape=(L, kv, 1, H, D))
     if p.transform.name == "hadamard" and (D & (D - 1) or D > MAX_HADAMARD_DIM):
         raise ContainerError(f"{where}: hadamard needs a power-of-two head_dim <= {MAX_HADAMARD_DIM}, got {D}")
     qmeta = e.meta["q"]
@@ -58,6 +62,7 @@ def check_entry(p: Stages, e: Entry) -> None:
         raise ContainerError(f"{where}: meta.q.x must be a bool, got {type(qmeta.get('x')).__name__}")
     if isinstance(p.quantizer, Grouped):
         _check_grouped(where, qmeta, q, L, H)
+        _check_outliers(where, p.quantizer, q, L, T, H, D)
     elif p.quantizer.name == "none":  # lossless, or the BF16 bypass quantizer: the tensor as BF16 bit patterns
         if set(qmeta) != {"x"}:
             raise ContainerError(f"{where}: meta.q keys {sorted(qmeta)[:8]}, expected ['x']")
@@ -87,8 +92,11 @@ def _check_grouped(where: str, qmeta: dict[str, Any], q: dict[str, StreamRecord]
             want.add(p + "r")
             if p + "c" in q:
                 want |= {p + "c", p + "s", p + "m"}
+    want |= {n for n in OUTLIER_STREAMS if n in q}  # their presence and shapes: _check_outliers
     _same_names(where, "quantizer streams", q, want)
     for name, s in q.items():
+        if name in OUTLIER_STREAMS:
+            continue
         kind = name[-1]
         if kind in "kr":
             _stream(where, s, bf16=True)
@@ -101,6 +109,21 @@ def _check_grouped(where: str, qmeta: dict[str, Any], q: dict[str, StreamRecord]
             if len(sc.shape) != len(s.shape) or any(a not in (1, c) for a, c in zip(sc.shape, s.shape)):
                 raise ContainerError(f"{where}: stream {name[:-1]}s shape {list(sc.shape)} does not broadcast to "
                                      f"its codes {list(s.shape)} without growing them")
+
+
+def _check_outliers(where: str, qz: Grouped, q: dict[str, StreamRecord], L: int, T: int, H: int, D: int) -> None:
+    """Residual outlier key channels: both streams present exactly when the spec asks for ``o`` > 0 of them,
+    ``o`` below head_dim, indices uint8 [layers, kv_heads, o], values BF16 [layers, kv_heads, tokens, o]."""
+    o = qz.o
+    have = {n for n in OUTLIER_STREAMS if n in q}
+    if have != (set(OUTLIER_STREAMS) if o else set()):
+        raise ContainerError(f"{where}: outlier streams {sorted(have)}, expected {sorted(OUTLIER_STREAMS) if o else []}")
+    if not o:
+        return
+    if o >= D or D > 256:
+        raise ContainerError(f"{where}: {o} outlier channels need head_dim in ({o}, 256], got {D}")
+    _stream(where, q[OUTLIER_STREAMS[0]], dtypes=("|u1",), shape=(L, H, o))
+    _stream(where, q[OUTLIER_STREAMS[1]], bf16=True, shape=(L, H, T, o))
 
 
 def _same_names(where: str, what: str, got: dict[str, StreamRecord], want: set[str]) -> None:

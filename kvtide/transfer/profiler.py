@@ -47,16 +47,38 @@ class Dimension:
 
 
 class SearchSpace:
-    """Cartesian product of dimensions; ``render`` turns a configuration into a pipeline spec."""
+    """Cartesian product of dimensions, or a chosen subset of it (``points``); ``render`` turns a configuration
+    into a pipeline spec. A subset keeps the product's embedding (same one-hot and min-max ranges)."""
 
-    def __init__(self, dims: Sequence[Dimension], render: Callable[[dict[str, Any]], str]) -> None:
+    def __init__(self, dims: Sequence[Dimension], render: Callable[[dict[str, Any]], str],
+                 points: Sequence[dict[str, Any]] | None = None) -> None:
         if len({d.name for d in dims}) != len(dims):
             raise ValueError("dimension names must be distinct")
         self.dims = list(dims)
         self.render = render
+        self.points: list[dict[str, Any]] | None = None
+        if points is not None:
+            names = [d.name for d in self.dims]
+            seen = set()
+            for c in points:
+                if sorted(c) != sorted(names) or any(c[d.name] not in d.values for d in self.dims):
+                    raise ValueError(f"point {c} is not a configuration of dimensions {names}")
+                key = tuple(c[n] for n in names)
+                if key in seen:
+                    raise ValueError(f"point {c} is listed twice")
+                seen.add(key)
+            if not points:
+                raise ValueError("a subset needs at least one point")
+            self.points = [dict(c) for c in points]
 
     def configs(self) -> list[dict[str, Any]]:
+        if self.points is not None:
+            return [dict(c) for c in self.points]
         return [dict(zip([d.name for d in self.dims], vs)) for vs in itertools.product(*(d.values for d in self.dims))]
+
+    def subset(self, points: Sequence[dict[str, Any]]) -> "SearchSpace":
+        """The same dimensions and rendering restricted to ``points`` (configurations of this space)."""
+        return SearchSpace(self.dims, self.render, points)
 
     def embed(self, configs: Sequence[dict[str, Any]]) -> np.ndarray:
         cols = []
@@ -70,7 +92,8 @@ class SearchSpace:
         return np.concatenate(cols, 1)
 
     def signature(self) -> list:
-        return [[d.name, list(d.values), d.numeric] for d in self.dims]
+        sig = [[d.name, list(d.values), d.numeric] for d in self.dims]
+        return sig if self.points is None else sig + [["points", [self.render(c) for c in self.points]]]
 
 
 def pipeline_space(transforms: Sequence[str] = ("none", "delta", "hadamard", "affine"),
@@ -118,8 +141,13 @@ class ProfilerConfig:
     refit_every: int = 8  # evaluations between GP hyperparameter fits, the profiler's own main cost
     fit_iters: int = 30
     seed: int = 0
+    # BO's quality GP sees max(quality, threshold - quality_clip): configurations far below the threshold (broken
+    # ones score near 0) all read as "clearly infeasible" instead of stretching the GP's scale; None: no clipping
+    quality_clip: float | None = None
 
     def __post_init__(self) -> None:
+        if self.quality_clip is not None and not self.quality_clip > 0:
+            raise ValueError(f"quality_clip must be > 0 or None, got {self.quality_clip!r}")
         if self.mode not in ("bo", "exhaustive", "random"):
             raise ValueError(f"mode must be bo, exhaustive or random, got {self.mode!r}")
         if min(self.max_evals, self.n_init, self.patience, self.refit_every, self.fit_iters) < 1:
@@ -260,7 +288,8 @@ class Profiler:
             t += 1
             idx = list(self.points)
             Xe = X[idx]
-            yq = torch.tensor([[self.points[i].quality] for i in idx], dtype=torch.double)
+            floor = -math.inf if cfg.quality_clip is None else cfg.quality_threshold - cfg.quality_clip
+            yq = torch.tensor([[max(self.points[i].quality, floor)] for i in idx], dtype=torch.double)
             yc = torch.tensor([[math.log(max(self.points[i].ratio, 1e-9))] for i in idx], dtype=torch.double)
             post = {}
             for key, y in (("q", yq), ("c", yc)):

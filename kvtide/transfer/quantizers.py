@@ -20,6 +20,7 @@ from .errors import SpecError
 from .stage import Stage, Stream, check_int, register
 
 AXES = ("token", "channel")
+OUTLIER_STREAMS = ("ko.i", "ko.k")  # residual outlier key channels: uint8 indices, their BF16 values
 
 
 def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -86,10 +87,12 @@ class Grouped(Quantizer):
     r: int = 0
     kax: str = "token"
     vax: str = "token"
+    o: int = 0  # residual outliers: the o key channels of largest max |K| per (layer, head) kept in BF16
 
     def __post_init__(self) -> None:
         check_int("group size g", self.g, 1, 1 << 16)
         check_int("recent tokens r", self.r, 0, 1 << 24)
+        check_int("outlier channels o", self.o, 0, 255)
         for ax in (self.kax, self.vax):
             if ax not in AXES:
                 raise SpecError(f"axis must be one of {AXES}, got {ax!r}")
@@ -103,6 +106,11 @@ class Grouped(Quantizer):
         bm = self.bit_map(L, H, head_scores)
         streams: dict[str, Stream] = {}
         exact = True
+        if self.o:
+            y, idx, vals = self._split_outliers(y)
+            streams[OUTLIER_STREAMS[0]] = Stream(idx.to(torch.uint8))
+            streams[OUTLIER_STREAMS[1]] = Stream(_bf16_bits(vals), bf16=True)
+            exact &= _exact(vals)
         for kv in (0, 1):
             sl = y[:, kv].permute(0, 2, 1, 3)  # [L, H, T, D]
             axis = self.kax if kv == 0 else self.vax
@@ -130,6 +138,19 @@ class Grouped(Quantizer):
                 streams[p + "r"] = Stream(_bf16_bits(rest), bf16=True)
                 exact &= _exact(rest)
         return streams, {"bm": bm.tolist(), "x": exact}
+
+    def _split_outliers(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(y with the outlier key channels zeroed, their indices [L, H, o] ascending, values [L, H, T, o])."""
+        L, _, T, H, D = y.shape
+        if self.o >= D or D > 256:
+            raise SpecError(f"{self.o} outlier channels need head_dim in ({self.o}, 256], got {D}")
+        k = y[:, 0].permute(0, 2, 1, 3)  # [L, H, T, D]
+        idx = torch.topk(k.abs().amax(2), self.o, dim=-1).indices.sort(-1).values  # [L, H, o]
+        full = idx[:, :, None, :].expand(L, H, T, self.o)
+        vals = torch.gather(k, -1, full)
+        y = y.clone()
+        y[:, 0] = k.scatter(-1, full, 0.0).permute(0, 2, 1, 3)
+        return y, idx, vals
 
     def _sink(self) -> int:
         return getattr(self, "sink", 0)
@@ -181,8 +202,18 @@ class Grouped(Quantizer):
                 else:
                     z = rest
                 out[:, kv][sel] = z
+        if self.o:
+            self._merge_outliers(out, streams, L, T, H, D, dev)
         y = out.permute(0, 1, 3, 2, 4).contiguous()
         return y, (mask.permute(0, 1, 3, 2).contiguous() if mask is not None else None)
+
+    def _merge_outliers(self, out: torch.Tensor, streams, L: int, T: int, H: int, D: int, dev: torch.device) -> None:
+        """Write the BF16 outlier key channels over their decoded (zeroed) place in ``out`` [L, 2, H, T, D]."""
+        idx = _tensor(streams[OUTLIER_STREAMS[0]], dev).long().reshape(L, H, self.o)
+        if idx.numel() and int(idx.max()) >= D:
+            raise ValueError(f"outlier channel index {int(idx.max())} >= head_dim {D}")
+        vals = _from_bf16(streams[OUTLIER_STREAMS[1]], (L, H, T, self.o), dev)
+        out[:, 0] = out[:, 0].scatter(-1, idx[:, :, None, :].expand(L, H, T, self.o), vals)
 
     def bound(self, streams, meta, shape):
         worst = 0.0
@@ -307,3 +338,24 @@ class MixHQ(Grouped):
         per_head = np.full(L * H, self.lo, dtype=np.int64)
         per_head[order.numpy()] = self.hi
         return np.repeat(per_head.reshape(L, 1, H), 2, axis=1)
+
+
+@register(Quantizer)
+@dataclass(frozen=True)
+class MixLQ(MixHQ):
+    """Layer-wise mixed precision from the same measured head scores: the top ``frac`` of layers by mean head
+    score at ``hi`` bits, the rest at ``lo`` (the layer-granularity form of MixHQ the KVServe paper names)."""
+
+    name: ClassVar[str] = "mixlq"
+
+    def bit_map(self, L, H, head_scores):
+        if head_scores is None:
+            raise ValueError("mixlq needs head_scores [layers, kv_heads] (pass them to the Pipeline)")
+        sc = torch.as_tensor(head_scores, dtype=torch.float64)
+        if tuple(sc.shape) != (L, H) or not torch.isfinite(sc).all():
+            raise ValueError(f"head_scores must be finite and shaped ({L}, {H}), got {tuple(sc.shape)}")
+        n_hi = int(round(self.frac * L))
+        order = torch.argsort(-sc.mean(1), stable=True)[:n_hi]
+        per_layer = np.full(L, self.lo, dtype=np.int64)
+        per_layer[order.numpy()] = self.hi
+        return np.broadcast_to(per_layer[:, None, None], (L, 2, H)).copy()

@@ -82,12 +82,22 @@ def _hadamard(d: int) -> torch.Tensor:
     return h / math.sqrt(d)
 
 
+ROTATE = ("kv", "k")  # which of K|V a rotation applies to
+
+
 @register(Transform)
 @dataclass(frozen=True)
 class Hadamard(Transform):
-    """Orthonormal Hadamard rotation along head_dim (QuaRot): spreads outlier channels before quantising."""
+    """Orthonormal Hadamard rotation along head_dim (QuaRot): spreads outlier channels before quantising.
+
+    ``on=k`` rotates the keys only (outlier channels live in K; values are left as they are)."""
 
     name: ClassVar[str] = "hadamard"
+    on: str = "kv"
+
+    def __post_init__(self) -> None:
+        if self.on not in ROTATE:
+            raise SpecError(f"hadamard: on must be one of {ROTATE}, got {self.on!r}")
 
     def _h(self, d: int) -> torch.Tensor:
         if d & (d - 1):
@@ -95,7 +105,10 @@ class Hadamard(Transform):
         return _hadamard(d)
 
     def _hx(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self._h(x.shape[-1]).to(x.device)
+        h = self._h(x.shape[-1]).to(x.device)
+        if self.on == "kv":
+            return x @ h
+        return torch.cat([x[:, :1] @ h, x[:, 1:]], 1)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
         return self._hx(x), {}
@@ -126,3 +139,50 @@ class Affine(Transform):
     def gain(self, shape: tuple[int, ...], side: Side) -> float:
         sd = torch.as_tensor(side["sd"])
         return float(sd.max()) * (1 + 1e-5) if sd.numel() else 1.0
+
+
+KSCALE_EXP = 100  # |log2| of a key scale is clamped to this: scaled values stay normal float32 numbers
+
+
+@register(Transform)
+@dataclass(frozen=True)
+class KeyScale(Transform):
+    """Per-channel key scaling (KIVI/SmoothQuant-style): K of each (layer, head, channel) divided by a power of two
+    near (max over tokens of |K|) ** ``a``, so per-token quantisation groups see balanced channel ranges.
+
+    Scales are powers of two, so scaling and its inverse are exact in float32; V passes through. The side
+    stream ``e`` holds the exponents + 128 as uint8, [layers, 1, 1, kv_heads, head_dim].
+    """
+
+    name: ClassVar[str] = "kscale"
+    a: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.a, bool) or not isinstance(self.a, (int, float)) or not 0.0 <= self.a <= 1.0:
+            raise SpecError(f"kscale: a must be a number in [0, 1], got {self.a!r}")
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Side]:
+        amax = x[:, :1].abs().amax(dim=2, keepdim=True)  # [L, 1, 1, H, D]
+        e = torch.where(amax > 0, torch.log2(amax.clamp_min(1e-30)) * float(self.a), torch.zeros_like(amax))
+        e = e.round().clamp(-KSCALE_EXP, KSCALE_EXP)
+        y = x.clone()
+        y[:, :1] = x[:, :1] * torch.exp2(-e)
+        return y, {"e": (e + 128).to(torch.uint8)}
+
+    @staticmethod
+    def _exponents(side: Side, device: torch.device) -> torch.Tensor:
+        raw = side["e"]
+        t = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.array(raw, dtype=np.uint8))
+        e = t.to(device=device, dtype=torch.float32) - 128
+        if e.numel() and float(e.abs().max()) > KSCALE_EXP:
+            raise ValueError(f"kscale exponent {float(e.abs().max())} outside [-{KSCALE_EXP}, {KSCALE_EXP}]")
+        return e
+
+    def decode(self, y: torch.Tensor, side: Side) -> torch.Tensor:
+        x = y.clone()
+        x[:, :1] = y[:, :1] * torch.exp2(self._exponents(side, y.device))
+        return x
+
+    def gain(self, shape: tuple[int, ...], side: Side) -> float:
+        e = self._exponents(side, torch.device("cpu"))
+        return max(1.0, float(torch.exp2(e.max()))) if e.numel() else 1.0

@@ -16,7 +16,8 @@ from transfer_blobs import join, kv, reseal, split
 
 SPECS = ["none|none|none", "none|none|pack", "none|none|zstd", "none|none|lz4", "none|none|ans", "none|none|zipf",
          "affine|uniform:k=3,v=5,g=16|ans", "hadamard|kivi:k=2,v=4,r=8|zstd", "delta|layer:b=8/2,g=16|lz4",
-         "none|mixhq:hi=6,lo=0,sink=2,win=8|pack", "none|uniform:k=4,v=4|zipf"]
+         "none|mixhq:hi=6,lo=0,sink=2,win=8|pack", "none|uniform:k=4,v=4|zipf",
+         "kscale|uniform:k=3,v=3,g=16,o=2|ans", "hadamard:on=k|kivi:k=2,v=4,r=8,o=3|zstd"]
 SCORES = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
 N_FLIPS, N_CUTS, N_EDITS = 100, 20, 100
 TIME_LIMIT_S = 20.0
