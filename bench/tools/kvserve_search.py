@@ -69,7 +69,7 @@ class CachedEvaluator:
 
 
 BO_KEYS = {"n_init": int, "lambda0": float, "decay": float, "prune_eps": float, "infeasible_margin": float,
-           "patience": int, "max_evals": int, "quality_clip": float}
+           "patience": int, "max_evals": int}
 
 
 def variant(text: str) -> tuple[str, dict]:

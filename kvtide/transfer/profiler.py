@@ -141,13 +141,8 @@ class ProfilerConfig:
     refit_every: int = 8  # evaluations between GP hyperparameter fits, the profiler's own main cost
     fit_iters: int = 30
     seed: int = 0
-    # BO's quality GP sees max(quality, threshold - quality_clip): configurations far below the threshold (broken
-    # ones score near 0) all read as "clearly infeasible" instead of stretching the GP's scale; None: no clipping
-    quality_clip: float | None = None
 
     def __post_init__(self) -> None:
-        if self.quality_clip is not None and not self.quality_clip > 0:
-            raise ValueError(f"quality_clip must be > 0 or None, got {self.quality_clip!r}")
         if self.mode not in ("bo", "exhaustive", "random"):
             raise ValueError(f"mode must be bo, exhaustive or random, got {self.mode!r}")
         if min(self.max_evals, self.n_init, self.patience, self.refit_every, self.fit_iters) < 1:
@@ -288,8 +283,7 @@ class Profiler:
             t += 1
             idx = list(self.points)
             Xe = X[idx]
-            floor = -math.inf if cfg.quality_clip is None else cfg.quality_threshold - cfg.quality_clip
-            yq = torch.tensor([[max(self.points[i].quality, floor)] for i in idx], dtype=torch.double)
+            yq = torch.tensor([[self.points[i].quality] for i in idx], dtype=torch.double)
             yc = torch.tensor([[math.log(max(self.points[i].ratio, 1e-9))] for i in idx], dtype=torch.double)
             post = {}
             for key, y in (("q", yq), ("c", yc)):

@@ -117,15 +117,3 @@ def test_replay_counts_random_and_exhaustive():
     none = replay(space, table, ProfilerConfig(1.5, mode="random", max_evals=10))
     assert none.found_at is None and none.best_ratio is None
     assert summary([none])["median_evaluations_to_optimum"] is None
-
-
-def test_quality_clip_validated_and_bo_still_finds_optimum():
-    with pytest.raises(ValueError, match="quality_clip"):
-        ProfilerConfig(0.97, quality_clip=0.0)
-    space = stratified_subset(wide_space(), 60, seed=2)
-    table = synthetic_table(space)
-    for s, (r, e, d, q) in list(table.items())[::7]:
-        table[s] = (r, e, d, 0.05)  # broken configurations far below the threshold
-    brute = optimum(table, 0.97)[0]
-    run = replay(space, table, ProfilerConfig(0.97, mode="bo", max_evals=45, quality_clip=0.1, seed=0))
-    assert run.evaluations <= 45 < len(table) and run.best_ratio == pytest.approx(brute)
