@@ -40,6 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import report  # noqa: E402
+
 from kvtide import CacheConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from kvtide.config import RestoreConfig  # noqa: E402
 from kvtide.engine.llm import LLM  # noqa: E402
@@ -221,6 +223,27 @@ def goals(summary: list[dict], quality: float) -> dict:
             "never_slower": all(w["controller_over_best_other"] <= 1.0 for w in worst), "per_cell": worst}
 
 
+def draw(doc: dict, plt):
+    """Median TTFT per method against the link, one panel per prefix length (log scale)."""
+    summary = doc["summary"]
+    lengths = sorted({r["tokens"] for r in summary})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.8), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        rows = [r for r in summary if r["tokens"] == n]
+        for m in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["gbps"], r["ttft_median_s"]) for r in rows if r["method"] == m)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
+        ax.set_yscale("log")
+        ax.set_xlabel("link (Gbps, nominal)")
+        ax.set_ylabel("TTFT median (s)")
+        ax.set_title(f"{n}-token prefix", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"remote-pool restoration under a quality budget, {doc.get('meta', {}).get('model')}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -304,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "links": "CPU: B* x g / 25.6 (T_load / T_recompute of the 8B shape on an H200 at g Gbps); GPU: g Gbps"
             if not gpu else "token bucket at g Gbps on the store's load path", "balance": balance,
             "command": " ".join(sys.argv)}
-    out.write_text(json.dumps({"meta": meta, "goals": g, "summary": summary, "rows": rows}, indent=1))
+    report.write(out, {"meta": meta, "goals": g, "summary": summary, "rows": rows}, draw, argv)
     print(f"wrote {out}")
     b.r.close()
     return 0

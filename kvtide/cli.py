@@ -261,6 +261,7 @@ BENCH_SUITES = {
     "restore": "restore.py",  # restoration (CacheFlow) TTFT against recompute, load-only and Cake
     "restore-devicewise": "restore_devicewise.py",  # device-wise CacheFlow on a pipeline of shards
     "restore-served": "restore_served.py",  # restorations beside decoding: decoders' TPOT, restorers' TTFT
+    "restore-remote": "restore_remote.py",  # remote-pool restoration under a quality budget: profiles vs recompute
     "kvserve": "kvserve_controller.py",  # KVServe online controller under a bandwidth trace
     "kvserve-profiles": "kvserve_profiles.py",  # KVServe offline profiles (writes the tables kvserve reads)
     "kvserve-gpu": "kvserve_gpu.py",  # GPU: every packaged profile's encode/decode GB/s, ratio and B* (nvCOMP codecs)
