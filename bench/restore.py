@@ -20,9 +20,10 @@ the goals take medians over reps with the per-rep ratios beside them (64 request
 The goals also hold the trace's service-time bound (``service_bound``): how much faster than recompute-only any
 overlap of compute and link could serve the same restorations, before queueing multiplies it.
 
-    python bench/restore.py                 # --quick, ~12 min on a quiet 2-core CPU
+    python bench/restore.py                 # --quick; its trace (64 requests x 3 reps x 3 loads) takes hours on a 2-core CPU
+    python bench/restore.py --no-trace        # the isolated grid alone, ~10 min
     python bench/restore.py --full          # more lengths, bandwidths, requests
-    python bench/restore.py --device cuda --model random:llama3-8b     # the H200 run, < 8 min
+    python bench/restore.py --device cuda --model random:llama3-8b     # the H200 run; runs past --deadline-s (450 s) are skipped and listed
     python bench/restore.py --device cuda --model random:llama3-8b --no-isolated   # the trace replay alone
     python bench/restore.py --device cuda --model random:llama3-8b --no-trace --store pinned   # the latest H200 grid
 
@@ -637,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="smollm2-135m")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the default: a small run (~12 min on a 2-core CPU)")
+    mode.add_argument("--quick", action="store_true", help="the default: the isolated grid and the trace at 64 requests")
     mode.add_argument("--full", action="store_true")
     ap.add_argument("--lengths", type=int, nargs="*", help="isolated prefix lengths (tokens)")
     ap.add_argument("--bandwidths", type=float, nargs="*", help="Gbps; default CPU: around the balance point")
