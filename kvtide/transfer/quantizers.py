@@ -327,12 +327,17 @@ class MixHQ(Grouped):
         check_int("sink", self.sink, 0, 1 << 24)
         check_int("win", self.win, 0, 1 << 24)
 
-    def bit_map(self, L, H, head_scores):
+    def _scores(self, L, H, head_scores) -> torch.Tensor:
+        """The measured head scores as a finite float64 [L, H] tensor (ValueError naming the problem otherwise)."""
         if head_scores is None:
-            raise ValueError("mixhq needs head_scores [layers, kv_heads] (pass them to the Pipeline)")
+            raise ValueError(f"{self.name} needs head_scores [layers, kv_heads] (pass them to the Pipeline)")
         sc = torch.as_tensor(head_scores, dtype=torch.float64)
         if tuple(sc.shape) != (L, H) or not torch.isfinite(sc).all():
             raise ValueError(f"head_scores must be finite and shaped ({L}, {H}), got {tuple(sc.shape)}")
+        return sc
+
+    def bit_map(self, L, H, head_scores):
+        sc = self._scores(L, H, head_scores)
         n_hi = int(round(self.frac * L * H))
         order = torch.argsort(-sc.flatten(), stable=True)[:n_hi]
         per_head = np.full(L * H, self.lo, dtype=np.int64)
@@ -349,11 +354,7 @@ class MixLQ(MixHQ):
     name: ClassVar[str] = "mixlq"
 
     def bit_map(self, L, H, head_scores):
-        if head_scores is None:
-            raise ValueError("mixlq needs head_scores [layers, kv_heads] (pass them to the Pipeline)")
-        sc = torch.as_tensor(head_scores, dtype=torch.float64)
-        if tuple(sc.shape) != (L, H) or not torch.isfinite(sc).all():
-            raise ValueError(f"head_scores must be finite and shaped ({L}, {H}), got {tuple(sc.shape)}")
+        sc = self._scores(L, H, head_scores)
         n_hi = int(round(self.frac * L))
         order = torch.argsort(-sc.mean(1), stable=True)[:n_hi]
         per_layer = np.full(L, self.lo, dtype=np.int64)
