@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-frac", type=float, default=0.5, help="CacheGen's SLO: this x the recompute TTFT")
     ap.add_argument("--real-kv", default=None, help="store a real model's KV (bench/zip_attention.py --capture file)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--partial", default=None, help="rewrite this JSON file with the rows after every cell")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:>6} tokens, {g:g} Gbps{'' if gpu else f' (= {link * 1e3:.1f} Mbps)'}: " + ", ".join(
                 f"{x['method']} {x['ttft_median_s'] * 1e3:.0f} ms ({x['speedup_vs_recompute']:.2f}x)" for x in s),
                 flush=True)
+            if a.partial:  # rows so far, for a run that may be stopped before its end
+                Path(a.partial).write_text(json.dumps({"balance": balance, "rows": rows}))
     summary = summarize(rows)
     g = goals(summary, a.min_quality)
     print(json.dumps(g, indent=1))
