@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -166,6 +167,11 @@ class Codec(Stage):
     def encode(self, s: Stream) -> bytes:
         raise NotImplementedError
 
+    def encode_device(self, s: Stream) -> torch.Tensor | None:
+        """The coded stream as a uint8 tensor left on the stream's GPU, for the container to copy out with the
+        blob's other streams; None where this codec codes on the host (then ``encode`` runs)."""
+        return None
+
     def decode(self, data: bytes, dtype: np.dtype, shape: tuple[int, ...], bits: int | None, bf16: bool) -> np.ndarray:
         raise NotImplementedError
 
@@ -174,9 +180,16 @@ class Codec(Stage):
         return to_tensor(self.decode(data, dtype, shape, bits, bf16), device)
 
 
-def _upload(data: bytes, device: torch.device | str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.zeros(
-        0, dtype=torch.uint8, device=device)
+def _upload(data: Any, device: torch.device | str) -> torch.Tensor:
+    """Coded bytes (any buffer) as a uint8 tensor on ``device``: one host-to-device copy for a GPU, a private copy
+    on the CPU (the tensor must not alias the blob)."""
+    if len(data) == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    if torch.device(device).type == "cpu":
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only buffer: torch warns, but the copy to the device never writes it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8).to(device)
 
 
 @register(Codec)
@@ -189,6 +202,11 @@ class Raw(Codec):
 
     def encode(self, s):
         return s.host().data.tobytes() if isinstance(s.data, torch.Tensor) else np.ascontiguousarray(s.data).tobytes()
+
+    def encode_device(self, s):
+        if not (isinstance(s.data, torch.Tensor) and s.data.is_cuda):
+            return None
+        return s.data.detach().contiguous().view(-1).view(torch.uint8)
 
     def decode(self, data, dtype, shape, bits, bf16):
         return np.frombuffer(_expect(data, _n(shape) * dtype.itemsize, self.name), dtype).reshape(shape).copy()
@@ -209,6 +227,11 @@ class Pack(Raw):
         if s.bits and isinstance(s.data, torch.Tensor):
             return pack_bits_t(s.data, s.bits).cpu().numpy().tobytes()
         return pack_bits(s.data, s.bits) if s.bits else super().encode(s)
+
+    def encode_device(self, s):
+        if not (isinstance(s.data, torch.Tensor) and s.data.is_cuda):
+            return None
+        return pack_bits_t(s.data, s.bits) if s.bits else super().encode_device(s)
 
     def decode(self, data, dtype, shape, bits, bf16):
         if bits:
@@ -329,6 +352,9 @@ class ZipFusion(Pack):
             raise SpecError(f"zipf block size must be a multiple of 32, got {self.bs}")
         check_int("zipf version v", self.v, 1, 2)
 
+    def encode_device(self, s):
+        return None  # the ZipFusion coder here runs on the host
+
     def encode(self, s):
         if not s.bf16:
             return super().encode(s)
@@ -392,7 +418,7 @@ def _serialise(e: Any) -> bytes:
 
 def _deserialise(data: bytes) -> dict[str, Any]:
     """The Encoded fields of a ZipFusion stream; ContainerError on anything else."""
-    tag, body = data[:1], data[1:]
+    tag, body = bytes(data[:1]), data[1:]
     if tag != _ZIPF_TAG:
         raise ContainerError(f"zipf: stream encoding {tag!r}, expected {_ZIPF_TAG!r}")
     import safetensors.torch

@@ -9,13 +9,17 @@ Layout (little-endian)::
     10  h  header: UTF-8 JSON {"spec": str, "entries": [{"key", "shape", "dtype", "meta",
                                "streams": [{"name", "dtype", "shape", "bits", "bf16", "n"}]}]}
     ..     payload: every stream's coded bytes, in header order (n bytes each)
-    -4  4  CRC-32 of everything before it
+    -8  8  XXH3-64 of everything before it (version 1, still read: a 4-byte CRC-32)
 
 Parsing is bounded: the header is at most ``MAX_HEADER_BYTES``, every field has an exact type (ints are
 JSON integers, no NaN/Infinity, no duplicate keys), shapes have at most ``MAX_NDIM`` non-negative dims, a
 stream holds at most as many values as its entry, and all entries together at most ``max_values`` values
 (default ``MAX_VALUES``), checked before anything is decoded. Anything that does not parse, or whose
 checksum, lengths or types disagree, raises ContainerError naming the field.
+
+A stream's payload may be a device tensor (uint8): ``pack`` copies runs of them to the host in one transfer each,
+straight into the blob, which it returns as a bytearray (no further copy). ``unpack`` hands out payloads as
+zero-copy memoryviews of the blob.
 """
 from __future__ import annotations
 
@@ -26,10 +30,14 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import xxhash
+
 from .errors import ContainerError
 
 MAGIC = b"KVTX"
-VERSION = 1
+VERSION = 2
+SUM_BYTES = {1: 4, 2: 8}  # checksum bytes per container version
 _HEAD = struct.Struct("<4sBBI")
 
 MAX_VALUES = 1 << 30  # values (BF16: 2 GiB) all entries of one container may declare, unless the caller says otherwise
@@ -47,7 +55,7 @@ class StreamRecord:
     shape: tuple[int, ...]
     bits: int | None
     bf16: bool
-    payload: bytes
+    payload: bytes | bytearray | memoryview | torch.Tensor  # a tensor: uint8, on any device (pack only)
 
 
 @dataclass
@@ -59,21 +67,55 @@ class Entry:
     streams: list[StreamRecord] = field(default_factory=list)
 
 
-def pack(spec: str, entries: list[Entry]) -> bytes:
+def checksum(body: bytes | bytearray | memoryview, version: int = VERSION) -> bytes:
+    """The checksum a container of ``version`` ends with, over ``body`` (everything before it)."""
+    if version == 1:
+        return struct.pack("<I", zlib.crc32(body))
+    return struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def _nbytes(p: Any) -> int:
+    return p.numel() if isinstance(p, torch.Tensor) else len(p)
+
+
+def pack(spec: str, entries: list[Entry]) -> bytearray:
+    payloads = [s.payload for e in entries for s in e.streams]
+    sizes = [_nbytes(p) for p in payloads]
+    for p in payloads:
+        if isinstance(p, torch.Tensor) and p.dtype != torch.uint8:
+            raise TypeError(f"a tensor payload must be uint8, got {p.dtype}")
     header = {
         "spec": spec,
         "entries": [
             {"key": e.key, "shape": list(e.shape), "dtype": e.dtype, "meta": e.meta,
              "streams": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "bits": s.bits,
-                          "bf16": s.bf16, "n": len(s.payload)} for s in e.streams]}
+                          "bf16": s.bf16, "n": _nbytes(s.payload)} for s in e.streams]}
             for e in entries
         ],
     }
     hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    parts = [_HEAD.pack(MAGIC, VERSION, 0, len(hb)), hb]
-    parts += [s.payload for e in entries for s in e.streams]
-    body = b"".join(parts)
-    return body + struct.pack("<I", zlib.crc32(body))
+    head = _HEAD.pack(MAGIC, VERSION, 0, len(hb)) + hb
+    out = bytearray(len(head) + sum(sizes) + SUM_BYTES[VERSION])
+    out[:len(head)] = head
+    host = torch.frombuffer(out, dtype=torch.uint8) if any(isinstance(p, torch.Tensor) for p in payloads) else None
+    off, i = len(head), 0
+    while i < len(payloads):
+        p = payloads[i]
+        if isinstance(p, torch.Tensor):  # a run of tensors on one device: one copy into the blob
+            j = i
+            while j < len(payloads) and isinstance(payloads[j], torch.Tensor) and payloads[j].device == p.device:
+                j += 1
+            n = sum(sizes[i:j])
+            run = [t.reshape(-1) for t in payloads[i:j] if t.numel()]
+            if n:
+                host[off:off + n].copy_(run[0] if len(run) == 1 else torch.cat(run))
+            off, i = off + n, j
+            continue
+        out[off:off + sizes[i]] = p
+        off, i = off + sizes[i], i + 1
+    end = len(out) - SUM_BYTES[VERSION]
+    out[end:] = checksum(memoryview(out)[:end])
+    return out
 
 
 def unpack(blob: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> tuple[str, list[Entry]]:
@@ -91,20 +133,22 @@ def unpack(blob: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -
     magic, version, flags, hlen = _HEAD.unpack_from(b, 0)
     if magic != MAGIC:
         raise ContainerError(f"not a kvtide transfer container (magic {bytes(magic)!r})")
-    if version != VERSION:
-        raise ContainerError(f"unsupported container version {version} (this build reads {VERSION})")
-    (crc,) = struct.unpack_from("<I", b, len(b) - 4)
-    if zlib.crc32(b[:-4]) != crc:
+    if version not in SUM_BYTES:
+        raise ContainerError(f"unsupported container version {version} (this build reads {sorted(SUM_BYTES)})")
+    k = SUM_BYTES[version]
+    if len(b) < _HEAD.size + k:
+        raise ContainerError(f"blob too short ({len(b)} bytes) to be a version {version} container")
+    if checksum(b[:-k], version) != b[-k:]:
         raise ContainerError("checksum mismatch: blob damaged or truncated")
     if flags != 0:
         raise ContainerError(f"container flags: expected 0, got {flags}")
-    if hlen > MAX_HEADER_BYTES or _HEAD.size + hlen > len(b) - 4:
-        raise ContainerError(f"header length {hlen}: expected at most {min(MAX_HEADER_BYTES, len(b) - 4 - _HEAD.size)}")
+    if hlen > MAX_HEADER_BYTES or _HEAD.size + hlen > len(b) - k:
+        raise ContainerError(f"header length {hlen}: expected at most {min(MAX_HEADER_BYTES, len(b) - k - _HEAD.size)}")
     header = _load_json(bytes(b[_HEAD.size: _HEAD.size + hlen]))
     spec, raw_entries = _fields(header, "header", {"spec": str, "entries": list})
     if not raw_entries:
         raise ContainerError("header.entries: expected at least one entry, got none")
-    off, end, total = _HEAD.size + hlen, len(b) - 4, 0
+    off, end, total = _HEAD.size + hlen, len(b) - k, 0
     entries: list[Entry] = []
     for i, e in enumerate(raw_entries):
         entry, off = _entry(e, f"entries[{i}]", b, off, end)
@@ -147,7 +191,7 @@ def _entry(e: Any, where: str, b: memoryview, off: int, end: int) -> tuple[Entry
             raise ContainerError(f"{w}.shape: {list(sshape)} holds more values than its entry {list(shape)}")
         if not 0 <= n <= end - off:
             raise ContainerError(f"{w}.n: {n} bytes run past the end of the blob ({end - off} left)")
-        recs.append(StreamRecord(name, sdt, sshape, bits, bf16, bytes(b[off: off + n])))
+        recs.append(StreamRecord(name, sdt, sshape, bits, bf16, b[off: off + n]))
         off += n
     return Entry(key, shape, dtype, meta, recs), off
 

@@ -1,30 +1,35 @@
 """GPU entropy codecs on nvCOMP (PyPI ``nvidia-nvcomp-cu13``, module ``nvidia.nvcomp``), with CPU paths where the
 format is shared.
 
-Each stage codes the same bytes as the CPU byte codecs (packed codes, or byte planes: ``codecs.wire_bytes``) with
-one nvCOMP call per stream on the stream's device:
+Each stage codes the same bytes as the CPU byte codecs (packed codes, or byte planes: ``codecs.wire_bytes``). A
+stream is cut into fixed-size chunks that nvCOMP codes as one batch (one call, chunks in parallel on the GPU);
+each chunk is stored as a u32 length and its coded bytes:
 
-- ``nvzstd``: nvCOMP zstd, ``RAW`` bitstream: one standard zstd frame that declares its content size, so the CPU
-  ``zstandard`` package decodes it (through ``bounded.zstd``) and encodes it where there is no GPU.
-- ``nvlz4``: nvCOMP LZ4, ``RAW`` bitstream: one raw LZ4 block (no frame), decoded on the CPU by ``lz4.block`` with
-  the expected size as its cap.
-- ``nvans``: nvCOMP's ANS in chunks of ``ANS_CHUNK`` bytes, each a u32 length and a ``WITH_UNCOMPRESSED_SIZE``
-  bitstream (a u64 size, then nvCOMP's own ANS format). No CPU implementation exists: encoding or decoding it without CUDA and nvCOMP raises ``MissingExtra`` naming the
-  package. (The CPU rANS codec is the ``ans`` stage, another format.)
+- ``nvzstd``: chunks of ``ZSTD_CHUNK`` bytes, each one standard zstd frame that declares its content size (nvCOMP's
+  ``RAW`` bitstream), so the CPU ``zstandard`` package decodes it (through ``bounded.zstd``) and encodes it where
+  there is no GPU.
+- ``nvlz4``: nvCOMP LZ4, ``RAW`` bitstream: one raw LZ4 block (no frame, no chunks), decoded on the CPU by
+  ``lz4.block`` with the expected size as its cap.
+- ``nvans``: chunks of ``ANS_CHUNK`` bytes, each a ``WITH_UNCOMPRESSED_SIZE`` bitstream (a u64 size, then nvCOMP's
+  own ANS format). No CPU implementation exists: encoding or decoding it without CUDA and nvCOMP raises
+  ``MissingExtra`` naming the package. (The CPU rANS codec is the ``ans`` stage, another format.)
 
-An empty stream is coded as no bytes. Decoding is bounded before nvCOMP allocates: the size a stream declares
-(zstd's frame content size, every nvans chunk's u64) must equal the size the stream's recorded dtype and shape imply, and the
-GPU decoders write into buffers of exactly that size; nvCOMP failures become ContainerError. nvCOMP's decoders
+On the GPU, ``encode_device`` leaves the coded stream on the device (the container copies all of a blob's device
+streams to the host together), and decoding uploads a stream once and decodes its chunks from device slices.
+
+An empty stream is coded as no bytes. Decoding is bounded before nvCOMP allocates: the size each chunk declares
+(its zstd frame content size, its nvans u64) must equal the size the stream's recorded dtype and shape imply, and
+the decoded chunks must come out at exactly that size; nvCOMP failures become ContainerError. nvCOMP's decoders
 are not hardened against crafted payloads (a damaged nvans payload was seen to stall the GPU decoder): the
-container's CRC-32 catches accidental damage before any stream is decoded, but a blob from an untrusted sender with
-a valid CRC should be decoded with the CPU formats (nvzstd, nvlz4) or not with nvCOMP.
+container's checksum catches accidental damage before any stream is decoded, but a blob from an untrusted sender
+with a valid checksum should be decoded with the CPU formats (nvzstd, nvlz4) or not with nvCOMP.
 """
 from __future__ import annotations
 
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -91,11 +96,20 @@ class _NvCodec(Codec):
         if not raw.is_cuda and not self.cpu_format and gpu_ready("cuda"):
             raw = raw.cuda()
         if raw.is_cuda and nvcomp_module() is not None:
-            nvcomp = nvcomp_module()
-            with torch.cuda.device(raw.device):
-                enc = _codec(self.algorithm, self.kind, raw.device).encode(nvcomp.as_array(raw))
-                return torch.as_tensor(enc, device=raw.device).view(torch.uint8).cpu().numpy().tobytes()
+            return self._gpu_encode(raw).cpu().numpy().tobytes()
         return self._cpu_encode(raw.cpu().numpy().tobytes())
+
+    def encode_device(self, s: Stream) -> torch.Tensor | None:
+        """The coded stream as a uint8 tensor on the stream's GPU (None: not a CUDA stream, or no nvCOMP)."""
+        if not (isinstance(s.data, torch.Tensor) and s.data.is_cuda and nvcomp_module() is not None):
+            return None
+        raw = wire_bytes(s)
+        return raw[:0] if raw.numel() == 0 else self._gpu_encode(raw)
+
+    def _gpu_encode(self, raw: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.device(raw.device):
+            enc = _codec(self.algorithm, self.kind, raw.device).encode(nvcomp_module().as_array(raw))
+            return torch.as_tensor(enc, device=raw.device).view(torch.uint8).view(-1).clone()
 
     def _cpu_encode(self, raw: bytes) -> bytes:
         raise self._missing("encoder without a GPU")
@@ -129,6 +143,10 @@ class _NvCodec(Codec):
             _expect(data, 0, self.name)
             return unwire(torch.zeros(0, dtype=torch.uint8, device=device), dtype, shape, bits)
         self._check_declared(data, size)
+        return unwire(self._gpu_raw(data, size, device), dtype, shape, bits)
+
+    def _gpu_raw(self, data: Any, size: int, device: torch.device) -> torch.Tensor:
+        """The stream's ``size`` wire bytes, decoded on ``device`` (its declared sizes already checked)."""
         nvcomp = nvcomp_module()
         src = _upload(data, device)
         out = torch.empty(size, dtype=torch.uint8, device=device)
@@ -146,30 +164,121 @@ class _NvCodec(Codec):
             raise ContainerError(f"{self.name}: cannot decode stream (expected {size} bytes): {e}") from e
         if got.numel() != size:
             raise ContainerError(f"{self.name}: stream decodes to {got.numel()} bytes, expected {size}")
-        return unwire(got, dtype, shape, bits)
+        return got
+
+
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+ZSTD_CHUNK = 1 << 16  # bytes per nvzstd chunk (frame): enough chunks to fill the GPU from one layer's stream
+ANS_CHUNK = 1 << 20  # bytes per nvans chunk: one WITH_UNCOMPRESSED_SIZE ANS stream of a whole large array failed
+
+
+def chunk_spans(data: Any, size: int, chunk: int, declared: Callable[[memoryview], int], name: str
+                ) -> list[tuple[int, int]]:
+    """(offset, length) of each coded chunk of a stream of ``size`` bytes cut in ``chunk``-byte chunks, after
+    checking the framing in full (ceil(size / chunk) chunks, each a u32 length then its bytes) and that each chunk
+    declares (``declared``) the size it must decode to."""
+    buf = memoryview(data).cast("B")
+    want = [min(chunk, size - i) for i in range(0, size, chunk)]
+    out, off = [], 0
+    for i, w in enumerate(want):
+        if off + _U32.size > len(buf):
+            raise ContainerError(f"{name}: stream truncated at chunk {i} of {len(want)}")
+        (k,) = _U32.unpack_from(buf, off)
+        if k > len(buf) - off - _U32.size:
+            raise ContainerError(f"{name}: chunk {i} claims {k} bytes, {len(buf) - off - _U32.size} left")
+        d = declared(buf[off + _U32.size: off + _U32.size + k])
+        if d != w:
+            raise ContainerError(f"{name}: chunk {i} declares {d} bytes, the stream's shape implies {w}")
+        out.append((off + _U32.size, k))
+        off += _U32.size + k
+    if off != len(buf):
+        raise ContainerError(f"{name}: {len(buf) - off} bytes after the last chunk")
+    return out
+
+
+def _framed(parts: list[torch.Tensor]) -> torch.Tensor:
+    """u32 length then bytes, for every part, concatenated on the parts' device."""
+    lens = torch.from_numpy(np.array([p.numel() for p in parts], dtype="<u4").view(np.uint8).reshape(-1, 4))
+    lens = lens.to(parts[0].device)
+    return torch.cat([x for i, p in enumerate(parts) for x in (lens[i], p)])
+
+
+def _batch(algorithm: str, kind: str, device: torch.device, srcs: list[torch.Tensor], decode: bool
+           ) -> list[torch.Tensor]:
+    """nvCOMP over every tensor of ``srcs`` (uint8, on ``device``): one batched call where this nvCOMP has the
+    batch API, else a call each. The results are copies the caller owns."""
+    nvcomp = nvcomp_module()
+    codec = _codec(algorithm, kind, device)
+    run = codec.decode if decode else codec.encode
+    with torch.cuda.device(device):
+        try:
+            batch = run(nvcomp.as_arrays([nvcomp.as_array(t) for t in srcs]))
+            return [torch.as_tensor(batch[i], device=device).view(torch.uint8).view(-1).clone()
+                    for i in range(len(srcs))]
+        except (AttributeError, TypeError):  # no BatchArray in this nvCOMP build
+            return [torch.as_tensor(run(nvcomp.as_array(t)), device=device).view(torch.uint8).view(-1).clone()
+                    for t in srcs]
+
+
+class _ChunkedNvCodec(_NvCodec):
+    """A stream in chunks of ``chunk`` bytes, coded as one nvCOMP batch; each chunk a u32 length and its bytes."""
+
+    chunk: ClassVar[int]
+
+    def _declared(self, frame: memoryview) -> int:
+        raise NotImplementedError
+
+    def _check_declared(self, data, size):
+        self._spans(data, size)
+
+    def _spans(self, data: Any, size: int) -> list[tuple[int, int]]:
+        return chunk_spans(data, size, self.chunk, self._declared, self.name)
+
+    def _gpu_encode(self, raw: torch.Tensor) -> torch.Tensor:
+        parts = [raw[i: i + self.chunk] for i in range(0, raw.numel(), self.chunk)]
+        return _framed(_batch(self.algorithm, self.kind, raw.device, parts, decode=False))
+
+    def _gpu_raw(self, data: Any, size: int, device: torch.device) -> torch.Tensor:
+        spans = self._spans(data, size)
+        src = _upload(data, device)
+        try:
+            outs = _batch(self.algorithm, self.kind, device, [src[o: o + k] for o, k in spans], decode=True)
+        except ContainerError:
+            raise
+        except Exception as e:  # nvCOMP raises its own types
+            raise ContainerError(f"{self.name}: cannot decode stream (expected {size} bytes): {e}") from e
+        for i, got in enumerate(outs):
+            w = min(self.chunk, size - i * self.chunk)
+            if got.numel() != w:
+                raise ContainerError(f"{self.name}: chunk {i} decodes to {got.numel()} bytes, expected {w}")
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @register(Codec)
 @dataclass(frozen=True)
-class NvZstd(_NvCodec):
+class NvZstd(_ChunkedNvCodec):
     name: ClassVar[str] = "nvzstd"
     algorithm: ClassVar[str] = "zstd"
+    chunk: ClassVar[int] = ZSTD_CHUNK
 
     def _cpu_encode(self, raw):
         zstandard = require("zstandard", "transfer", "the nvzstd codec on the CPU")
-        return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
+        z = zstandard.ZstdCompressor(level=3, write_content_size=True)
+        parts = [z.compress(raw[i: i + self.chunk]) for i in range(0, len(raw), self.chunk)]
+        return b"".join(_U32.pack(len(p)) + p for p in parts)
 
-    def _check_declared(self, data, size):
+    def _declared(self, frame):
         zstandard = require("zstandard", "transfer", "the nvzstd codec's size check")
         try:
-            declared = zstandard.frame_content_size(data)
+            return zstandard.frame_content_size(frame)
         except zstandard.ZstdError as e:
             raise ContainerError(f"nvzstd: bad frame header: {e}") from e
-        if declared != size:  # nvCOMP and this module's CPU encoder always declare it
-            raise ContainerError(f"nvzstd: frame declares {declared} bytes, the stream's shape implies {size}")
 
     def _cpu_decode(self, data, size):
-        return bounded.zstd(data, size)
+        buf = memoryview(data).cast("B")
+        return b"".join(bounded.zstd(buf[o: o + k], min(self.chunk, size - i * self.chunk))
+                        for i, (o, k) in enumerate(self._spans(data, size)))
 
 
 @register(Codec)
@@ -197,35 +306,20 @@ class NvLz4(_NvCodec):
         return out
 
 
-_U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-ANS_CHUNK = 1 << 20  # bytes per nvCOMP call: one WITH_UNCOMPRESSED_SIZE ANS stream of a whole large array failed
-
-
-def ans_chunks(data: bytes, size: int) -> list[tuple[int, int]]:
+def ans_chunks(data: Any, size: int) -> list[tuple[int, int]]:
     """(offset, length) of each coded chunk of an nvans stream of ``size`` bytes, after checking every declared
     size: ceil(size / ANS_CHUNK) chunks, each a u32 length then nvCOMP bytes that start with their u64 size."""
-    want = [min(ANS_CHUNK, size - i) for i in range(0, size, ANS_CHUNK)]
-    out, off = [], 0
-    for i, w in enumerate(want):
-        if off + _U32.size + _U64.size > len(data):
-            raise ContainerError(f"nvans: stream truncated at chunk {i} of {len(want)}")
-        (k,) = _U32.unpack_from(data, off)
-        (declared,) = _U64.unpack_from(data, off + _U32.size)
-        if declared != w:
-            raise ContainerError(f"nvans: chunk {i} declares {declared} bytes, the stream's shape implies {w}")
-        if k < _U64.size or k > len(data) - off - _U32.size:
-            raise ContainerError(f"nvans: chunk {i} claims {k} bytes, {len(data) - off - _U32.size} left")
-        out.append((off + _U32.size, k))
-        off += _U32.size + k
-    if off != len(data):
-        raise ContainerError(f"nvans: {len(data) - off} bytes after the last chunk")
-    return out
+    def declared(b: memoryview) -> int:
+        if len(b) < _U64.size:
+            raise ContainerError(f"nvans: chunk of {len(b)} bytes has no size header")
+        return _U64.unpack_from(b, 0)[0]
+
+    return chunk_spans(data, size, ANS_CHUNK, declared, "nvans")
 
 
 @register(Codec)
 @dataclass(frozen=True)
-class NvAns(_NvCodec):
+class NvAns(_ChunkedNvCodec):
     """nvCOMP ANS in chunks of ``ANS_CHUNK`` bytes: per chunk a u32 length and nvCOMP's WITH_UNCOMPRESSED_SIZE
     stream (a u64 size, then its ANS format)."""
 
@@ -233,43 +327,10 @@ class NvAns(_NvCodec):
     algorithm: ClassVar[str] = "ans"
     kind: ClassVar[str] = "WITH_UNCOMPRESSED_SIZE"
     cpu_format: ClassVar[bool] = False
+    chunk: ClassVar[int] = ANS_CHUNK
 
-    def _check_declared(self, data, size):
-        ans_chunks(data, size)
-
-    def encode(self, s: Stream) -> bytes:
-        raw = wire_bytes(s)
-        if raw.numel() == 0:
-            return b""
-        if not raw.is_cuda and gpu_ready("cuda"):
-            raw = raw.cuda()
-        if not raw.is_cuda or nvcomp_module() is None:
-            raise self._missing("encoder without a GPU")
-        nvcomp = nvcomp_module()
-        parts = []
-        with torch.cuda.device(raw.device):
-            for i in range(0, raw.numel(), ANS_CHUNK):
-                enc = _codec(self.algorithm, self.kind, raw.device).encode(nvcomp.as_array(raw[i: i + ANS_CHUNK]))
-                b = torch.as_tensor(enc, device=raw.device).view(torch.uint8).cpu().numpy().tobytes()
-                parts += [_U32.pack(len(b)), b]
-        return b"".join(parts)
-
-    def _gpu_raw(self, data: bytes, size: int, device: torch.device) -> torch.Tensor:
-        nvcomp = nvcomp_module()
-        out = torch.empty(size, dtype=torch.uint8, device=device)
-        with torch.cuda.device(device):
-            for i, (off, k) in enumerate(ans_chunks(data, size)):
-                dst = out[i * ANS_CHUNK: (i + 1) * ANS_CHUNK]
-                try:
-                    dec = _codec(self.algorithm, self.kind, device).decode(
-                        nvcomp.as_array(_upload(data[off: off + k], device)))
-                    got = torch.as_tensor(dec, device=device).view(torch.uint8).view(-1)
-                except Exception as e:  # nvCOMP raises its own types
-                    raise ContainerError(f"nvans: cannot decode chunk {i}: {e}") from e
-                if got.numel() != dst.numel():
-                    raise ContainerError(f"nvans: chunk {i} decodes to {got.numel()} bytes, expected {dst.numel()}")
-                dst.copy_(got)
-        return out
+    def _spans(self, data, size):
+        return ans_chunks(data, size)
 
     def decode_tensor(self, data, dtype, shape, bits, bf16, device):
         device = torch.device(device)

@@ -1,7 +1,7 @@
 """A compression profile as a pipeline Transform -> Quantizer -> Codec, built from a spec string.
 
 ``Pipeline(spec).encode(kv)`` takes one request's KV, a BF16 tensor [layers, 2, tokens, kv_heads, head_dim]
-(or a dict of such), and returns a self-describing blob (see container.py); ``decode`` inverts it.
+(or a dict of such), and returns a self-describing blob (a bytearray; see container.py); ``decode`` inverts it.
 Lossless pipelines (transform and quantizer ``none``) are bit-exact; for the others ``error_bound(blob)``
 states the max abs error, before the final rounding to BF16 (<= 2^-8 |x| more).
 
@@ -84,7 +84,7 @@ class Pipeline:
         return hash(self.to_spec())
 
     # --- encode ----------------------------------------------------------------------------------------------
-    def encode(self, kv: KV, head_scores: torch.Tensor | None = None) -> bytes:
+    def encode(self, kv: KV, head_scores: torch.Tensor | None = None) -> bytearray:
         scores = head_scores if head_scores is not None else self.head_scores
         if isinstance(kv, Mapping):
             if not kv:
@@ -105,8 +105,11 @@ class Pipeline:
         streams.update({"q." + k: v for k, v in qs.items()})
         if not self.codec.device_encode:
             streams = {k: s.host() for k, s in streams.items()}
-        recs = [StreamRecord(name, s.dtype, s.shape, s.bits, s.bf16, self.codec.encode(s))
-                for name, s in streams.items()]
+        recs = []
+        for name, s in streams.items():  # GPU-coded streams stay on the device until pack copies them out together
+            coded = self.codec.encode_device(s)
+            recs.append(StreamRecord(name, s.dtype, s.shape, s.bits, s.bf16,
+                                     coded if coded is not None else self.codec.encode(s)))
         return Entry(key, tuple(kv.shape), "bfloat16", {"q": qmeta}, recs)
 
     # --- decode ----------------------------------------------------------------------------------------------

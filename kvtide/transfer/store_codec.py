@@ -31,7 +31,7 @@ class PipelineCodec:
         return pipeline(spec).encode(kv[None])
 
     def decode(self, blob: Any, spec: str, max_values: int, device: Any) -> torch.Tensor:
-        data = blob if isinstance(blob, bytes) else bytes(blob)
+        data = blob if isinstance(blob, (bytes, bytearray, memoryview)) else bytes(blob)
         return pipeline(spec).decode(data, max_values=max_values, device=device)
 
 

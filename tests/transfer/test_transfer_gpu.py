@@ -110,6 +110,8 @@ def test_malformed_nv_streams_rejected_before_decoding():
     import zstandard
     no_size = zstandard.ZstdCompressor(write_content_size=False).compress(raw.tobytes())
     with pytest.raises(ContainerError, match="declares"):
+        c.decode(struct.pack("<I", len(no_size)) + no_size, np.dtype("|u1"), (256,), None, False)
+    with pytest.raises(ContainerError, match="claims"):  # a bare frame, no chunk framing
         c.decode(no_size, np.dtype("|u1"), (256,), None, False)
     lz = nvcodecs.NvLz4()
     g = lz.encode(Stream(raw))
@@ -179,13 +181,30 @@ def test_nvcomp_round_trip_and_cross_decode(codec, qt):
         assert torch.equal(p.decode(p.encode(x), device="cuda").cpu().view(torch.int16), want)
 
 
-@needs_nvcomp
-def test_nvzstd_gpu_stream_is_a_standard_zstd_frame():
+def test_nvzstd_chunks_are_standard_zstd_frames():
+    """Every nvzstd chunk is a plain zstd frame of ZSTD_CHUNK bytes (the last one shorter) that zstandard decodes."""
     import zstandard
-    raw = torch.randint(0, 4, (1 << 20,), dtype=torch.uint8, device="cuda")
+    n = 2 * nvcodecs.ZSTD_CHUNK + 77
+    raw = np.random.default_rng(3).integers(0, 4, n, dtype=np.uint8)
     enc = nvcodecs.NvZstd().encode(Stream(raw))
-    assert zstandard.frame_content_size(enc) == raw.numel()
-    assert zstandard.ZstdDecompressor().decompress(enc) == raw.cpu().numpy().tobytes()
+    spans = nvcodecs.chunk_spans(enc, n, nvcodecs.ZSTD_CHUNK, zstandard.frame_content_size, "nvzstd")
+    assert len(spans) == 3
+    out = b"".join(zstandard.ZstdDecompressor().decompress(enc[o: o + k]) for o, k in spans)
+    assert out == raw.tobytes()
+    assert np.array_equal(nvcodecs.NvZstd().decode(enc, np.dtype("|u1"), (n,), None, False), raw)
+
+
+@needs_nvcomp
+def test_nvzstd_gpu_stream_is_standard_zstd_frames():
+    import zstandard
+    n = (1 << 20) + 5
+    raw = torch.randint(0, 4, (n,), dtype=torch.uint8, device="cuda")
+    enc = nvcodecs.NvZstd().encode(Stream(raw))
+    spans = nvcodecs.chunk_spans(enc, n, nvcodecs.ZSTD_CHUNK, zstandard.frame_content_size, "nvzstd")
+    out = b"".join(zstandard.ZstdDecompressor().decompress(enc[o: o + k]) for o, k in spans)
+    assert out == raw.cpu().numpy().tobytes()
+    dev = nvcodecs.NvZstd().encode_device(Stream(raw))
+    assert dev.is_cuda and dev.cpu().numpy().tobytes() == enc
 
 
 @needs_nvcomp

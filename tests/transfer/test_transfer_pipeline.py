@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtide.transfer import ContainerError, Pipeline, decode
+from kvtide.transfer.container import SUM_BYTES, VERSION, checksum
 from kvtide.transfer.baselines import BASELINES
 from kvtide.transfer.codecs import pack_bits, unpack_bits
 
@@ -167,12 +168,24 @@ def test_wrong_version_and_foreign_spec():
 
 
 def test_valid_checksum_but_inconsistent_content():
-    blob = Pipeline("none|none|none").encode(kv())
+    blob = bytes(Pipeline("none|none|none").encode(kv()))
     hl = struct.unpack_from("<I", blob, 6)[0]
     header = blob[10:10 + hl].replace(b'"shape":[3,2,70,2,64]', b'"shape":[3,2,71,2,64]')
-    body = blob[:6] + struct.pack("<I", len(header)) + header + blob[10 + hl:-4]
-    with pytest.raises(ContainerError):
-        decode(body + struct.pack("<I", zlib.crc32(body)))
+    assert header != blob[10:10 + hl]
+    body = blob[:6] + struct.pack("<I", len(header)) + header + blob[10 + hl:-SUM_BYTES[VERSION]]
+    with pytest.raises(ContainerError, match="expected 109056 bytes, got 107520"):
+        decode(body + checksum(body))
+
+
+def test_version_1_containers_still_read():
+    """Version 1 ended in a CRC-32 instead of XXH3-64: such a blob (e.g. an older store entry) still decodes."""
+    x = kv()
+    blob = bytes(Pipeline("none|kivi:k=2,v=2,g=32|zstd").encode(x))
+    body = blob[:4] + bytes([1]) + blob[5:-SUM_BYTES[VERSION]]
+    old = body + struct.pack("<I", zlib.crc32(body))
+    assert torch.equal(decode(old).view(torch.int16), decode(blob).view(torch.int16))
+    with pytest.raises(ContainerError, match="checksum"):
+        decode(old[:-1] + bytes([old[-1] ^ 1]))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

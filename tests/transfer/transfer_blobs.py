@@ -1,14 +1,13 @@
-"""Helpers for tests that take transfer containers apart and put crafted ones back together (valid CRC)."""
+"""Helpers for tests that take transfer containers apart and put crafted ones back together (valid checksum)."""
 from __future__ import annotations
 
 import json
 import struct
-import zlib
 from typing import Any
 
 import torch
 
-from kvtide.transfer.container import MAGIC, VERSION
+from kvtide.transfer.container import MAGIC, SUM_BYTES, VERSION, checksum
 
 L, T, H, D = 2, 24, 2, 32
 
@@ -21,20 +20,20 @@ def kv(seed: int = 0, t: int = T) -> torch.Tensor:
 def split(blob: bytes) -> tuple[dict[str, Any], bytes]:
     """(header, payload) of a container."""
     hl = struct.unpack_from("<I", blob, 6)[0]
-    return json.loads(blob[10:10 + hl]), blob[10 + hl:-4]
+    return json.loads(bytes(blob[10:10 + hl])), bytes(blob[10 + hl:-SUM_BYTES[blob[4]]])
 
 
 def join(header: dict[str, Any] | bytes, payload: bytes) -> bytes:
     """A container with this header (a dict, or raw header bytes) and payload, and a valid checksum."""
     hb = header if isinstance(header, bytes) else json.dumps(header).encode()
     body = MAGIC + bytes([VERSION, 0]) + struct.pack("<I", len(hb)) + hb + payload
-    return body + struct.pack("<I", zlib.crc32(body))
+    return body + checksum(body)
 
 
 def reseal(blob: bytes | bytearray) -> bytes:
-    """The same bytes with the trailing CRC recomputed (so damage reaches the parsers, not the checksum)."""
-    body = bytes(blob[:-4])
-    return body + struct.pack("<I", zlib.crc32(body))
+    """The same bytes with the trailing checksum recomputed (so damage reaches the parsers, not the checksum)."""
+    body = bytes(blob[:-SUM_BYTES[blob[4]]])
+    return body + checksum(body, blob[4])
 
 
 def stream_payloads(header: dict[str, Any], payload: bytes) -> dict[str, bytes]:
