@@ -26,6 +26,7 @@ with a valid checksum should be decoded with the CPU formats (nvzstd, nvlz4) or 
 """
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from .errors import ContainerError
 from .stage import Stream, register
 
 NVCOMP_PACKAGE = "nvidia-nvcomp-cu13"
+log = logging.getLogger("kvtide.transfer")
 _local = threading.local()  # nvCOMP Codec objects are not thread-safe: one per thread, algorithm and device
 
 
@@ -212,13 +214,17 @@ def _batch(algorithm: str, kind: str, device: torch.device, srcs: list[torch.Ten
     codec = _codec(algorithm, kind, device)
     run = codec.decode if decode else codec.encode
     with torch.cuda.device(device):
-        try:
-            batch = run(nvcomp.as_arrays([nvcomp.as_array(t) for t in srcs]))
-            return [torch.as_tensor(batch[i], device=device).view(torch.uint8).view(-1).clone()
-                    for i in range(len(srcs))]
-        except (AttributeError, TypeError):  # no BatchArray in this nvCOMP build
-            return [torch.as_tensor(run(nvcomp.as_array(t)), device=device).view(torch.uint8).view(-1).clone()
-                    for t in srcs]
+        if len(srcs) > 1 and not _local.__dict__.get("no_batch"):
+            try:
+                batch = run(nvcomp.as_arrays([nvcomp.as_array(t) for t in srcs]))
+                return [torch.as_tensor(batch[i], device=device).view(torch.uint8).view(-1).clone()
+                        for i in range(len(srcs))]
+            except Exception as e:  # noqa: BLE001 - an nvCOMP build without the batch API: one call a chunk
+                _local.no_batch = True
+                log.warning("nvCOMP batch %s failed (%s: %s); coding one chunk a call", "decode" if decode
+                            else "encode", type(e).__name__, e)
+        return [torch.as_tensor(run(nvcomp.as_array(t)), device=device).view(torch.uint8).view(-1).clone()
+                for t in srcs]
 
 
 class _ChunkedNvCodec(_NvCodec):
