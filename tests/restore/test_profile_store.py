@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import pytest
 import torch
@@ -167,6 +168,57 @@ def test_a_lossy_entry_never_answers_a_lossless_fetch() -> None:
     res = RestoreExecutor(port, store, CHUNK, kv_dtype=torch.bfloat16).run([job])
     assert {f.error for f in res.failures} == {"ChunkCorrupt"} and res.fallback_requests == [0]
     eng.block_manager.release(seq)
+
+
+class _SlowProfileLookups(MemoryStore):
+    """A tier whose existence checks of the named (profile) entries take 30 ms each (a distant pool); counts them."""
+
+    delay = 0.03
+
+    def __init__(self) -> None:
+        super().__init__(256 << 20)
+        self.slow: set[str] = set()
+        self.checks = 0
+
+    def _exists(self, name: str) -> bool:
+        if name in self.slow:
+            self.checks += 1
+            time.sleep(self.delay)
+        return super()._exists(name)
+
+
+def test_profile_lookups_stop_at_the_steps_lookup_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profile lookups share the step's ``lookup_budget_s`` with the lossless ones: on a tier whose profile checks
+    take 30 ms, a 50 ms budget stops them after two checks (not the 6 of both profiles' 3 chunks), the profile that
+    ran out is not used (the lossless entries serve the request) and it is counted as deferred."""
+    llm = _llm()
+    r = llm.engine.restorer
+    r.cfg.method = "load"
+    r.profile_policy = None
+    store = fresh_store(llm, _SlowProfileLookups())
+    first = text_ids(llm, 1900, 100)
+    llm.generate(first, greedy(2))
+    r.writer.flush()
+    b = first + text_ids(llm, 3700, 12)
+    with no_restore(llm):
+        ref = llm.generate(b, greedy(4))[0].token_ids
+    store.slow = {profile_key(k, spec).entry_name(r.num_layers - 1)
+                  for k in chunk_keys(b[:96], r.keyspace) for spec in (LOSSY, EXACT)}
+    monkeypatch.setattr(r, "bandwidth", lambda method=None: 1e6)  # a slow link: the lossy entries plan faster
+    assert r.cfg.lookup_budget_s == 0.05
+
+    monkeypatch.setattr(r.cfg, "lookup_budget_s", None)  # the control: unbounded, every profile chunk is checked
+    llm.generate(b, _budget(4, 0.95))
+    assert r.history[-1].profile == LOSSY and store.checks == 6
+
+    monkeypatch.setattr(r.cfg, "lookup_budget_s", 0.05)
+    store.checks, deferred, runs = 0, r.stats.lookups_deferred, len(r.history)
+    out = llm.generate(b, _budget(4, 0.95))[0].token_ids
+    assert store.checks <= 2, store.checks  # 50 ms of 30 ms checks
+    assert r.stats.lookups_deferred >= deferred + 1
+    assert len(r.history) == runs + 1 and r.history[-1].cached == [96]  # still restored, from the lossless entries
+    assert r.history[-1].profile is None and out == ref
+    fresh_store(llm)
 
 
 def test_profiles_fail_fast() -> None:
