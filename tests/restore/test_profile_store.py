@@ -221,6 +221,40 @@ def test_profile_lookups_stop_at_the_steps_lookup_budget(monkeypatch: pytest.Mon
     fresh_store(llm)
 
 
+def test_profile_loads_leave_the_link_estimate_to_lossless_loads() -> None:
+    """The bandwidth the planner prices lossless loads at is a link rate: loads of profile entries (fewer bytes, and
+    a decode on the I/O thread) are not observed into it. Over an emulated 0.2 Gbps link, lossless loads set the
+    estimate (at most the link's rate); lossy and exact profile loads between them leave it as it was."""
+    from kvtide.store.bandwidth import BandwidthLimitedStore, gbps
+
+    llm = _llm()
+    r = llm.engine.restorer
+    r.cfg.method = "load"  # load-only: the load-alone estimate (no replay beside the loads)
+    b, ref = _first_turn(llm, 2500)
+    inner = r.store
+    r.use_store(BandwidthLimitedStore.at_gbps(inner, 0.2), writes=inner)
+    r.profile.reset_bandwidth()
+    link = gbps(0.2)
+    try:
+        r.profile_policy = "lossless"
+        assert llm.generate(b, greedy(4))[0].token_ids == ref
+        first = r.profile.solo_bandwidth
+        assert first is not None and first <= 1.1 * link, (first, link)
+        for spec in (LOSSY, EXACT):
+            r.profile_policy = spec
+            llm.generate(b, _budget(4, 0.95))
+            rec = r.history[-1]
+            assert rec.profile == spec and rec.load_bytes > 0 and rec.decode_seconds > 0
+            assert r.profile.solo_bandwidth == first and r.profile.overlap_bandwidth is None, spec
+        r.profile_policy = "lossless"
+        assert llm.generate(b, greedy(4))[0].token_ids == ref
+        second = r.profile.solo_bandwidth
+        assert second != first and second <= 1.1 * link, (first, second, link)  # lossless loads still observed
+    finally:
+        r.profile_policy = None
+        fresh_store(llm)
+
+
 def test_profiles_fail_fast() -> None:
     from kvtide.config import RestoreConfig
     from kvtide.engine.restore_profiles import StoredProfiles
