@@ -399,7 +399,8 @@ def _brute_decode(req: RestoreRequest, L: int, s: float, t: float, F, B: float, 
 def test_shard_plans_charge_the_profile_decode():
     """Entries under a KVServe profile decode on the load path (t seconds a loaded token): a shard's plan, with and
     without boundary rows, is the best staircase under that cost, checked against brute force with t written out.
-    ``shard_cost`` keeps t (and the suffix scale) for the shard's blocks; the boundary search prices loads at s + t B."""
+    ``shard_cost`` keeps t (and the suffix scale) for the shard's blocks; the boundary search prices loads at
+    s + t B."""
     F = AnalyticReplayTime(overhead=2e-4, per_token=0.9e-6, per_token_sq=1e-11)
     C, B, s = 512, 1.25e9, 1024.0  # a 4x-compressed entry of ~4 KiB a token
     found_shift = False
