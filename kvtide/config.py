@@ -148,8 +148,9 @@ class RestoreConfig:
     # slow and dead tiers (kvtide/store/breaker.py, kvtide/store/redis_store.py): a Redis operation times out after
     # store_timeout_s; breaker_failures consecutive tier failures (0: no breaker) skip a remote tier (disk, Redis)
     # for breaker_backoff_s, then one operation probes it. Store lookups in a step stop after lookup_budget_s of
-    # store time (None: no bound): the requests not looked up are prefilled as usual. Closing the engine waits at
-    # most flush_timeout_s (None: no bound) for queued writes; the rest is dropped and counted.
+    # store time (None: no bound): the requests not looked up are prefilled as usual, the store_profiles not looked
+    # up are not used for that restoration. Closing the engine waits at most flush_timeout_s (None: no bound) for
+    # queued writes; the rest is dropped and counted.
     store_timeout_s: float = 0.5
     breaker_failures: int = 3
     breaker_backoff_s: float = 5.0

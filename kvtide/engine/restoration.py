@@ -42,7 +42,7 @@ from .chunk_reader import ChunkReader
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .restore_port import EnginePort
-from .restore_profiles import StoredProfiles
+from .restore_profiles import LookupBudgetSpent, StoredProfiles
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -97,7 +97,9 @@ class RestoreStats:
     spill_missed: int = 0  # evicted chunks that could not be spilled (a page of them was already gone)
     lookups: int = 0
     lookup_failures: int = 0  # lookups the tier did not answer (timeout, down, breaker open): plain prefill
-    lookups_deferred: int = 0  # requests not looked up: the step's lookup budget was spent (prefilled as usual)
+    # requests not looked up (prefilled as usual), and profiles not looked up for a restoration (its lossless
+    # entries or another profile's serve it): the step's lookup budget was spent
+    lookups_deferred: int = 0
     interleaved_steps: int = 0  # engine steps that advanced a restoration without finishing it (decodes went on)
     profile_requests: int = 0  # of requests, those restored from entries stored under a KVServe profile
     profile_chunks_written: int = 0  # chunks stored under a profile (every layer entry), beside the lossless ones
@@ -700,7 +702,12 @@ class Restorer:
         for prof in self.profiles.eligible(qmin):
             if policy is not None and prof.spec != policy:
                 continue
-            keys = self.profiles.held(self.store, prof.spec, [(k, start, cached) for _, start, cached, k in picked])
+            try:
+                keys = self.profiles.held(self._present, prof.spec,
+                                          [(k, start, cached) for _, start, cached, k in picked], self._budget_spent)
+            except LookupBudgetSpent:  # the step's lookup budget is gone: this profile is not used now
+                self.stats.lookups_deferred += 1
+                continue
             if keys is None:
                 continue
             w = self.writer.stats if self.writer is not None else None

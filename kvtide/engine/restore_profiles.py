@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from ..store.breaker import present
 from ..store.keys import ChunkKey, profile_key
 from ..store.profile_entry import PendingProfileEntry, check_profile_name
 from ..transfer.errors import SpecError
@@ -22,6 +21,10 @@ from ..transfer.store_codec import pipeline  # registers the pipelines as the st
 
 PROBES = 4  # encodings of a profile also decoded on the writer's thread, to time its decode before it is used
 _EWMA = 0.3  # weight of a restoration's measured decode rate
+
+
+class LookupBudgetSpent(Exception):
+    """A profile's lookups ran out of the step's ``lookup_budget_s`` before every chunk was checked."""
 
 
 @dataclass
@@ -138,18 +141,25 @@ class StoredProfiles:
     def eligible(self, min_quality: float) -> list[StoredProfile]:
         return [p for p in self.profiles if p.serves(min_quality)]
 
-    def held(self, store: Any, spec: str, jobs: Sequence[tuple[Sequence[ChunkKey], int, int]]
-             ) -> list[list[ChunkKey]] | None:
+    def held(self, present: Callable[[ChunkKey], bool], spec: str, jobs: Sequence[tuple[Sequence[ChunkKey], int, int]],
+             spent: Callable[[], bool] | None = None) -> list[list[ChunkKey]] | None:
         """The profile's chunk keys of each (lossless keys, start, cached) when the store holds every chunk of
-        [start, cached) under ``spec`` (its last layer: the writer stores layers in order), else None (also when
-        the tier gives no answer)."""
+        [start, cached) under ``spec``, else None (also when the tier gives no answer).
+
+        ``present(key)``: whether the store holds the key's last layer (the writer stores layers in order); the
+        restorer's lookup, whose time counts against the step's ``lookup_budget_s``. ``spent()`` is asked before
+        every lookup: once the budget is gone, ``LookupBudgetSpent`` is raised (the profile is not used now), so a
+        slow tier stalls the step no longer on profile lookups than on lossless ones."""
         C, out = self.chunk, []
         for lossless, start, cached in jobs:
             keys = self.keys(spec, lossless)
-            try:
-                if not all(present(store, k, self.num_layers - 1) for k in keys[start // C:cached // C]):
+            for k in keys[start // C:cached // C]:
+                if spent is not None and spent():
+                    raise LookupBudgetSpent(spec)
+                try:
+                    if not present(k):
+                        return None
+                except Exception:  # noqa: BLE001 - StoreUnavailable or a tier's error: this profile is not used now
                     return None
-            except Exception:  # noqa: BLE001 - StoreUnavailable or a tier's error: this profile is not used now
-                return None
             out.append(keys)
         return out

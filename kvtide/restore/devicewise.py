@@ -73,8 +73,9 @@ def shard_ranges(num_layers: int, num_shards: int) -> list[range]:
 
 
 def shard_cost(cost: BlockCost, layers: range) -> BlockCost:
-    """The same per-block costs over one shard's blocks."""
-    return BlockCost(len(layers), cost.kv_bytes_per_token, cost.state_bytes, cost.replay_time)
+    """The same per-block costs over one shard's blocks: every term of ``cost`` (the profile decode, the suffix
+    call and scale, the fixed seconds each shard's restoration pays) but the block count."""
+    return dataclasses.replace(cost, num_blocks=len(layers))
 
 
 def split_rows(rows: Sequence[Sequence[int]], ranges: Sequence[range]) -> list[list[list[int]]]:
@@ -194,7 +195,8 @@ def plan_shard(method: str, requests: Sequence[RestoreRequest], cost: BlockCost,
 
 
 def _with_boundary(req: RestoreRequest, cost: BlockCost, bandwidth: float, chunk: int, h: float) -> list[int] | None:
-    """The water-filling staircase of one request minimising h j_0 / B + max(P + L sig, Q / B + sig).
+    """The water-filling staircase of one request minimising h j_0 / B + max(P + L sig, Q / B + t D + sig), with
+    t D the decode of the D loaded tokens (``BlockCost.decode_seconds_per_token``).
 
     Blocks are identical, so a staircase is a multiset of chunk counts; for k blocks that recompute m chunks in
     all, levels within one chunk of each other (q = m // k, e = m % k blocks one higher) give the least
@@ -207,8 +209,10 @@ def _with_boundary(req: RestoreRequest, cost: BlockCost, bandwidth: float, chunk
     K = N // C
     g = np.arange(K + 1, dtype=np.int64) * C
     vals = replay_times(cost.replay_time, np.concatenate([g, [N, N + Ns]]))
-    Fg, sig = vals[:K + 1], float(vals[-1] - vals[-2]) + suffix_call(cost, Ns > 0)
-    s, B = cost.kv_bytes_per_token, float(bandwidth)
+    Fg, sig = vals[:K + 1], float(vals[-1] - vals[-2]) * cost.suffix_scale + suffix_call(cost, Ns > 0)
+    # a loaded token costs s/B of link plus t of decode (a profile's entries): (s + t B)/B, as the planner sees it
+    B = float(bandwidth)
+    s = cost.load_bytes_per_token(B)
     k = np.arange(1, L + 1)[:, None]
     m = np.arange(1, L * K + 1)[None, :]
     q, e = m // k, m % k

@@ -3,6 +3,7 @@ greedy tokens after restoration equal a full prefill's (and the single-process e
 boundary activation falls back to the upstream shard's rows and is counted; plus the pure planning logic."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -376,6 +377,47 @@ def test_shard_plan_counts_its_boundary_rows():
     assert plan_shard("cacheflow", [req], cost, B, C).boundaries == blind.boundaries
     cake = plan_shard("cake", [req], cost, B, C, h)
     assert cake.boundaries == plan_shard("cake", [req], cost, B, C).boundaries
+
+
+def _brute_decode(req: RestoreRequest, L: int, s: float, t: float, F, B: float, C: int, h: float,
+                  scale: float = 1.0) -> float:
+    """min over every staircase on the chunk grid of h j_0 / B + max(P + L sig, sum (s/B + t)(N - j) + sig), the
+    decode t of each loaded token written out (small cases only)."""
+    import itertools
+
+    n, K = req.cached_tokens, req.cached_tokens // C
+    sig = scale * float(F(n + req.suffix_tokens) - F(n))
+    best = np.inf
+    for levels in itertools.combinations_with_replacement(range(K, -1, -1), L):
+        J = [c * C for c in levels]
+        P = sum(float(F(j)) for j in J)
+        load = sum((s / B + t) * (n - j) for j in J)
+        best = min(best, max(P + L * sig, load + sig) + h * J[0] / B)
+    return float(best)
+
+
+def test_shard_plans_charge_the_profile_decode():
+    """Entries under a KVServe profile decode on the load path (t seconds a loaded token): a shard's plan, with and
+    without boundary rows, is the best staircase under that cost, checked against brute force with t written out.
+    ``shard_cost`` keeps t (and the suffix scale) for the shard's blocks; the boundary search prices loads at
+    s + t B."""
+    F = AnalyticReplayTime(overhead=2e-4, per_token=0.9e-6, per_token_sq=1e-11)
+    C, B, s = 512, 1.25e9, 1024.0  # a 4x-compressed entry of ~4 KiB a token
+    found_shift = False
+    for n, ns, L, t, scale in ((4096, 512, 4, 2e-6, 1.0), (3584, 1439, 4, 4e-6, 0.7), (2048, 64, 3, 1e-6, 1.0),
+                               (4096, 2048, 4, 8e-6, 0.5), (1024, 8000, 3, 4e-6, 0.2)):
+        full = BlockCost(2 * L, s, 0.0, F, suffix_scale=scale, decode_seconds_per_token=t)
+        cost = shard_cost(full, shard_ranges(2 * L, 2)[1])
+        assert (cost.num_blocks, cost.decode_seconds_per_token, cost.suffix_scale) == (L, t, scale)
+        req = RestoreRequest(n, ns)
+        for h in (0.0, 2 * 4096.0):
+            p = plan_shard("cacheflow", [req], cost, B, C, h)
+            want = _brute_decode(req, L, s, t, F, B, C, h, scale)
+            assert p.predicted_seconds == pytest.approx(want, rel=1e-9), (n, ns, L, t, h, p.boundaries)
+        # the decode moves the plan: without it the same shard loads more
+        free = plan_shard("cacheflow", [req], dataclasses.replace(cost, decode_seconds_per_token=0.0), B, C, h)
+        found_shift |= sum(free.boundaries[0]) < sum(p.boundaries[0])
+    assert found_shift
 
 
 def test_suffix_attention_after_a_prefix_is_causal_bottom_right():

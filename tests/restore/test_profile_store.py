@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import pytest
 import torch
@@ -167,6 +168,91 @@ def test_a_lossy_entry_never_answers_a_lossless_fetch() -> None:
     res = RestoreExecutor(port, store, CHUNK, kv_dtype=torch.bfloat16).run([job])
     assert {f.error for f in res.failures} == {"ChunkCorrupt"} and res.fallback_requests == [0]
     eng.block_manager.release(seq)
+
+
+class _SlowProfileLookups(MemoryStore):
+    """A tier whose existence checks of the named (profile) entries take 30 ms each (a distant pool); counts them."""
+
+    delay = 0.03
+
+    def __init__(self) -> None:
+        super().__init__(256 << 20)
+        self.slow: set[str] = set()
+        self.checks = 0
+
+    def _exists(self, name: str) -> bool:
+        if name in self.slow:
+            self.checks += 1
+            time.sleep(self.delay)
+        return super()._exists(name)
+
+
+def test_profile_lookups_stop_at_the_steps_lookup_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profile lookups share the step's ``lookup_budget_s`` with the lossless ones: on a tier whose profile checks
+    take 30 ms, a 50 ms budget stops them after two checks (not the 6 of both profiles' 3 chunks), the profile that
+    ran out is not used (the lossless entries serve the request) and it is counted as deferred."""
+    llm = _llm()
+    r = llm.engine.restorer
+    r.cfg.method = "load"
+    r.profile_policy = None
+    store = fresh_store(llm, _SlowProfileLookups())
+    first = text_ids(llm, 1900, 100)
+    llm.generate(first, greedy(2))
+    r.writer.flush()
+    b = first + text_ids(llm, 3700, 12)
+    with no_restore(llm):
+        ref = llm.generate(b, greedy(4))[0].token_ids
+    store.slow = {profile_key(k, spec).entry_name(r.num_layers - 1)
+                  for k in chunk_keys(b[:96], r.keyspace) for spec in (LOSSY, EXACT)}
+    monkeypatch.setattr(r, "bandwidth", lambda method=None: 1e6)  # a slow link: the lossy entries plan faster
+    assert r.cfg.lookup_budget_s == 0.05
+
+    monkeypatch.setattr(r.cfg, "lookup_budget_s", None)  # the control: unbounded, every profile chunk is checked
+    llm.generate(b, _budget(4, 0.95))
+    assert r.history[-1].profile == LOSSY and store.checks == 6
+
+    monkeypatch.setattr(r.cfg, "lookup_budget_s", 0.05)
+    store.checks, deferred, runs = 0, r.stats.lookups_deferred, len(r.history)
+    out = llm.generate(b, _budget(4, 0.95))[0].token_ids
+    assert store.checks <= 2, store.checks  # 50 ms of 30 ms checks
+    assert r.stats.lookups_deferred >= deferred + 1
+    assert len(r.history) == runs + 1 and r.history[-1].cached == [96]  # still restored, from the lossless entries
+    assert r.history[-1].profile is None and out == ref
+    fresh_store(llm)
+
+
+def test_profile_loads_leave_the_link_estimate_to_lossless_loads() -> None:
+    """The bandwidth the planner prices lossless loads at is a link rate: loads of profile entries (fewer bytes, and
+    a decode on the I/O thread) are not observed into it. Over an emulated 0.2 Gbps link, lossless loads set the
+    estimate (at most the link's rate); lossy and exact profile loads between them leave it as it was."""
+    from kvtide.store.bandwidth import BandwidthLimitedStore, gbps
+
+    llm = _llm()
+    r = llm.engine.restorer
+    r.cfg.method = "load"  # load-only: the load-alone estimate (no replay beside the loads)
+    b, ref = _first_turn(llm, 2500)
+    inner = r.store
+    r.use_store(BandwidthLimitedStore.at_gbps(inner, 0.2), writes=inner)
+    r.profile.reset_bandwidth()
+    link = gbps(0.2)
+    try:
+        r.profile_policy = "lossless"
+        assert llm.generate(b, greedy(4))[0].token_ids == ref
+        first = r.profile.solo_bandwidth
+        assert first is not None and first <= 1.1 * link, (first, link)
+        for spec in (LOSSY, EXACT):
+            r.profile_policy = spec
+            llm.generate(b, _budget(4, 0.95))
+            rec = r.history[-1]
+            assert rec.profile == spec and rec.load_bytes > 0 and rec.decode_seconds > 0
+            assert r.profile.solo_bandwidth == first and r.profile.overlap_bandwidth is None, spec
+        r.profile_policy = "lossless"
+        assert llm.generate(b, greedy(4))[0].token_ids == ref
+        second = r.profile.solo_bandwidth
+        assert second != first and second <= 1.1 * link, (first, second, link)  # lossless loads still observed
+    finally:
+        r.profile_policy = None
+        fresh_store(llm)
 
 
 def test_profiles_fail_fast() -> None:
