@@ -319,7 +319,9 @@ class DecodeRole(KVRole):
                 store.put(k, layer, ids[lo:lo + C], kv[:, lo:lo + C].contiguous())
 
         try:
-            return receive_layers(notices(), buf, pipe, self.num_layers, (2, n, self.kv_heads, self.head_dim), sink)
+            device = self.engine.config.torch_device  # a GPU engine decodes with the GPU codecs
+            return receive_layers(notices(), buf, pipe, self.num_layers, (2, n, self.kv_heads, self.head_dim), sink,
+                                  device=device if device.type == "cuda" else None)
         except queue.Empty:
             raise HandoffError("timeout", "no layer notice within the transfer timeout") from None
 

@@ -193,10 +193,13 @@ def check_spec(spec: str, lossless_only: bool) -> Pipeline:
 
 
 def receive_layers(notices: Iterable[Any], buf: LocalBuffer, pipeline: Pipeline, num_layers: int,
-                   layer_shape: tuple[int, ...], sink: Callable[[int, torch.Tensor], None]) -> ReceiveResult:
-    """Check and decode each noticed layer of ``buf`` into ``sink(layer, kv [2, tokens, kv_heads, head_dim])``,
-    in layer order. ``notices`` yields dicts (parsed here) or LayerNotice; it must yield exactly
-    ``num_layers`` of them. Decoding of layer i overlaps the wait for notice i+1 (a worker thread)."""
+                   layer_shape: tuple[int, ...], sink: Callable[[int, torch.Tensor], None],
+                   device: torch.device | str | None = None) -> ReceiveResult:
+    """Check and decode each noticed layer of ``buf`` into ``sink(layer, kv [2, tokens, kv_heads, head_dim])``
+    (a CPU tensor), in layer order. ``notices`` yields dicts (parsed here) or LayerNotice; it must yield exactly
+    ``num_layers`` of them. Decoding of layer i overlaps the wait for notice i+1 (a worker thread); ``device``:
+    where to decode (a GPU runs the GPU codecs; None: the CPU)."""
+    on_host = device is None or torch.device(device).type == "cpu"
     values = 1
     for s in layer_shape:
         values *= s
@@ -215,11 +218,11 @@ def receive_layers(notices: Iterable[Any], buf: LocalBuffer, pipeline: Pipeline,
             i, blob = item
             try:
                 t0 = time.perf_counter()
-                kv = pipeline.decode(blob, max_values=values)
+                kv = pipeline.decode(blob, max_values=values, device=None if on_host else device)
                 if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != expect or kv.dtype != torch.bfloat16:
                     got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
                     raise HandoffError("corrupt", f"layer {i} decoded to {got}, expected {expect} bfloat16")
-                sink(i, kv[0])
+                sink(i, kv[0] if on_host else kv[0].cpu())
                 decode_s[0] += time.perf_counter() - t0
             except HandoffError as e:
                 errors.append(e)
@@ -242,7 +245,7 @@ def receive_layers(notices: Iterable[Any], buf: LocalBuffer, pipeline: Pipeline,
             if n.offset != offset or n.offset + n.nbytes > buf.nbytes or n.nbytes == 0:
                 raise HandoffError("corrupt", f"layer {n.layer}: bytes [{n.offset}, {n.offset + n.nbytes}) are not "
                                               f"the next span of the {buf.nbytes}-byte buffer (at {offset})")
-            blob = bytes(buf.array[n.offset:n.offset + n.nbytes])
+            blob = memoryview(buf.array)[n.offset:n.offset + n.nbytes]  # the buffer outlives the decoder thread
             if digest(blob) != n.digest:
                 raise HandoffError("corrupt", f"layer {n.layer}: its {n.nbytes} bytes do not match their digest")
             q.put((n.layer, blob))
