@@ -295,7 +295,7 @@ def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: l
                             "oracle": OnlineController(profiles, OnlineConfig(epsilon=0.0)),
                             "no-bandwidth-model": OnlineController(profiles, OnlineConfig()),
                             "no-bandwidth-correction": OnlineController(profiles, OnlineConfig())}
-    out: dict[str, Any] = {"nominal_gbps": seq, "guess_gbps": guess * 8 / 1e9, "arms": {}}
+    out: dict[str, Any] = {"nominal_gbps": seq, "guess_nominal_gbps": math.sqrt(5.0 * 100.0), "arms": {}}
     decide_us: list[float] = []
     names = list(arms)
     state = {n: {"jcts": [], "profiles": [], "assumed_gbps": [], "meter": GoodputMeter(), "seconds": 0.0}
