@@ -20,7 +20,10 @@ the rate at which moving this model's BF16 KV takes the same multiple of its pre
 Llama-3.1-8B's KV at B Gbps takes of its prefill on an H200 (131 KiB/token, 0.041 ms/token of prefill; the same
 scaling as bench/restore.py). ``--trace``: the controller, an oracle that knows each request's bandwidth, and the
 paper's two ablations (no bandwidth model: a fixed guess; no bandwidth correction: measured bandwidth, no
-residual learning) over one drifting bandwidth sequence (5-100 Gbps nominal), real transfers.
+residual learning) over one drifting bandwidth sequence (5-100 Gbps nominal), real transfers. Each arm keeps its
+own decision state: its transfers go under a policy key of its own (``kv_transfer.policy_key``), so the prefill
+side's goodput meter and residuals for the controller arm see only the controller's transfers, and the bench-side
+arms' meters and residuals see only their own.
 
     kvtide bench pd                       # CPU, SmolLM2-135M, ~10 min
     kvtide bench pd --trace-requests 0    # the bandwidth table only
@@ -52,6 +55,7 @@ from kvtide.transfer.controller import Profile  # noqa: E402
 from kvtide.transfer.online import OnlineConfig, OnlineController  # noqa: E402
 from kvtide.transfer.pipeline import Pipeline  # noqa: E402
 from kvtide.transfer.policy import measured_lossless, spec_of, table_profiles  # noqa: E402
+from kvtide.transfer.transport.pacing import GoodputMeter  # noqa: E402
 
 KV_8B = 32 * 2 * 8 * 128 * 2  # bytes of BF16 KV per token, Llama-3.1-8B
 PREFILL_8B_H200 = 0.041e-3  # seconds of prefill per token, 8B shape on an H200 (bench/restore.py)
@@ -137,6 +141,7 @@ class Cluster:
         s = kv["sender"]
         prefill, decode_leg = t1 - t0, t2 - t1
         return {"jct": t2 - t0, "prefill": prefill, "compress": s["encode_s"], "transfer": s["write_s"],
+                "sender_total": s["total_s"], "assumed_bandwidth": kv.get("bandwidth"),
                 "decompress": kv["decode_seconds"], "handoff": kv["seconds"], "decode": decode_leg - kv["seconds"],
                 "profile": kv["profile"], "quality": kv["quality"], "wire_bytes": kv["wire_bytes"],
                 "raw_bytes": kv["raw_bytes"], "ratio": kv["raw_bytes"] / max(1, kv["wire_bytes"]),
@@ -280,19 +285,29 @@ def drift(n: int, lo: float, hi: float, seed: int) -> list[float]:
 def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: list[Profile], factor: float,
           volume: float) -> dict:
     """The controller (the server's), an oracle and two ablations (bench-side controllers over the same profiles,
-    naming their choice) over one bandwidth sequence; each arm replays the same sequence."""
+    naming their choice) over one bandwidth sequence; each arm replays the same sequence.
+
+    Every arm's decision state is its own: its requests carry ``policy_key`` = its name, so the prefill side's
+    meter and residuals under the controller's key see only the controller's transfers; the bench-side arms learn
+    residuals and (no-bandwidth-correction) goodput from their own transfers only, with the server's estimator
+    (`GoodputMeter`, EWMA of wire bytes over write seconds) and its residual target (the sender's span)."""
     seq = drift(a.trace_requests, 5.0, 100.0, a.seed)
-    guess = gbps_bytes(math.sqrt(5.0 * 100.0) * factor)
+    guess = gbps_bytes(math.sqrt(5.0 * 100.0) * factor)  # the no-bandwidth-model arm's fixed guess, always
     arms: dict[str, Any] = {"controller": None,
                             "oracle": OnlineController(profiles, OnlineConfig(epsilon=0.0)),
                             "no-bandwidth-model": OnlineController(profiles, OnlineConfig()),
                             "no-bandwidth-correction": OnlineController(profiles, OnlineConfig())}
-    out: dict[str, Any] = {"nominal_gbps": seq, "arms": {}}
+    out: dict[str, Any] = {"nominal_gbps": seq, "guess_nominal_gbps": math.sqrt(5.0 * 100.0), "arms": {}}
     decide_us: list[float] = []
     names = list(arms)
-    state = {n: {"jcts": [], "profiles": [], "measured": None, "seconds": 0.0} for n in names}
-    # Arms interleaved per request, in an order rotated each request: drift of the machine (and of the servers'
-    # own state) falls on every arm alike. The servers' bandwidth estimate sees every arm's transfers (one link).
+    state = {n: {"jcts": [], "profiles": [], "assumed_gbps": [], "meter": GoodputMeter(), "seconds": 0.0}
+             for n in names}
+    # the two arms that measure their bandwidth start from one unscored transfer of their own at the first rate
+    cluster.set_link(seq[0] * factor)
+    for name in ("controller", "no-bandwidth-correction"):
+        r = cluster.run(prompts.fresh(0), {"profile": BF16, "policy_key": name})
+        state[name]["meter"].observe(r["wire_bytes"], r["transfer"])
+    # Arms interleaved per request, in an order rotated each request: drift of the machine falls on every arm alike.
     for i, g in enumerate(seq):
         bw = gbps_bytes(g * factor)
         cluster.set_link(g * factor)
@@ -300,25 +315,34 @@ def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: l
             name = names[(i + k) % len(names)]
             ctl, s = arms[name], state[name]
             t_arm = time.perf_counter()
-            kv: dict[str, Any] = {"min_quality": a.min_quality}
+            kv: dict[str, Any] = {"min_quality": a.min_quality, "policy_key": name}
             d = None
             if ctl is not None:
-                assumed = bw if name == "oracle" else guess if name == "no-bandwidth-model" else (s["measured"] or guess)
+                if name == "oracle":
+                    assumed = bw
+                elif name == "no-bandwidth-model":
+                    assumed = guess
+                else:
+                    assumed = s["meter"].rate or guess
                 t0 = time.perf_counter()
                 d = ctl.decide(assumed, volume, None, a.min_quality)
                 decide_us.append((time.perf_counter() - t0) * 1e6)
-                kv = {"profile": spec_of(d.profile), "min_quality": 0.0}
+                kv = {"profile": spec_of(d.profile), "min_quality": 0.0, "policy_key": name}
             r = cluster.run(prompts.fresh(i), kv)
-            if d is not None and name != "no-bandwidth-correction":
-                ctl.observe(d, r["handoff"])
-            s["measured"] = r["wire_bytes"] / r["transfer"] if r["transfer"] > 0 else s["measured"]
+            if d is None:
+                assumed = r["assumed_bandwidth"]  # what the server's decision under this key assumed
+            elif name != "no-bandwidth-correction":
+                ctl.observe(d, r["sender_total"])
+            if r["transfer"] > 0 and r["wire_bytes"] > 0:
+                s["meter"].observe(r["wire_bytes"], r["transfer"])
             s["jcts"].append(r["jct"])
             s["profiles"].append(r["profile"])
+            s["assumed_gbps"].append(assumed * 8 / 1e9 / factor if assumed else None)
             s["seconds"] += time.perf_counter() - t_arm
     for name in names:
         s = state[name]
         out["arms"][name] = {"mean_jct": statistics.fmean(s["jcts"]), "jcts": s["jcts"], "profiles": s["profiles"],
-                             "seconds": s["seconds"]}
+                             "assumed_nominal_gbps": s["assumed_gbps"], "seconds": s["seconds"]}
         print(f"trace {name:24s}: mean JCT {out['arms'][name]['mean_jct']:.3f} s over {len(s['jcts'])} requests "
               f"({s['seconds']:.0f} s)", flush=True)
     o = out["arms"]["oracle"]["mean_jct"]

@@ -4,7 +4,8 @@ The prefill instance answers the prefill leg (``max_tokens=1``) as usual; its fi
 tier (restoration's writer), and the answer carries ``kv_transfer_params`` (its URL and its transport session).
 The decode instance, given those params with the same prompt, allocates a receive buffer on its transport and
 POSTs ``/v1/kv/pull`` to the prefill instance: the prefill side picks a profile (`TransferPolicy`: quality bucket,
-SLO, measured goodput to that peer), writes the layers one by one into the buffer and streams a notice per layer
+SLO, measured goodput to that peer; under the request's ``policy_key``, if it names one, the state of that key
+alone), writes the layers one by one into the buffer and streams a notice per layer
 (NDJSON); the decode side checks and decodes each layer as it arrives and puts its chunks into its own KV tier.
 The request then enters the engine, whose restoration loads those chunks (no recompute of the prompt) and computes
 the prompt's last partial chunk. Any failure (a dead or slow prefill, a dropped stream, a corrupt layer, another
@@ -29,7 +30,8 @@ from ..store.keys import chunk_keys
 from ..transfer.handoff import (HandoffError, LayerNotice, SendResult, capacity, check_spec, layer_capacity,
                                 receive_layers, send_layers)
 from ..transfer.pipeline import Pipeline
-from ..transfer.policy import TransferPolicy, measured_lossless, packaged_table, table_profiles
+from ..transfer.policy import (PolicyKeyError, TransferPolicy, check_policy_key, measured_lossless, packaged_table,
+                               table_profiles)
 from ..transfer.transport.base import LocalBuffer, RemoteBuffer, Transport, TransportError
 from .config import ServerConfig
 from .pd_metrics import TransferMetrics
@@ -105,7 +107,7 @@ class PrefillRole(KVRole):
             while len(self._staging) > 4:
                 self._staging.pop(0).free()
 
-    def parse_pull(self, body: Any) -> tuple[list[int], RemoteBuffer, float, float | None, str | None]:
+    def parse_pull(self, body: Any) -> tuple[list[int], RemoteBuffer, float, float | None, str | None, str]:
         if not isinstance(body, dict):
             raise bad(None, "the pull body must be a JSON object")
         ids = body.get("token_ids")
@@ -135,7 +137,16 @@ class PrefillRole(KVRole):
                 Pipeline(spec)
             except (ValueError, TypeError) as e:
                 raise bad("profile", f"'profile' {spec!r:.80} is not a pipeline: {e}") from None
-        return ids, dst, float(q), slo, spec
+        key = body.get("policy_key")
+        try:
+            key = "" if key is None else check_policy_key(key)
+        except PolicyKeyError as e:
+            raise bad("policy_key", str(e)) from None
+        try:
+            self.policy.admit(key)  # before the stream starts: a key past the bound is a 409, not a failed stream
+        except PolicyKeyError as e:
+            raise APIError(409, str(e), "policy_key") from None
+        return ids, dst, float(q), slo, spec, key
 
     def _ready(self, ids: list[int], deadline: float) -> int:
         """Tokens of the prompt's whole chunks this instance holds, waiting for the writer until ``deadline``."""
@@ -152,7 +163,7 @@ class PrefillRole(KVRole):
         return got * self.chunk
 
     def pull(self, ids: list[int], dst: RemoteBuffer, min_quality: float, slo: float | None,
-             spec: str | None = None) -> Iterator[bytes]:
+             spec: str | None = None, key: str = "") -> Iterator[bytes]:
         """The control stream of one hand-off: a header line, a notice per layer, a result line (or an error
         line). Runs in a worker thread (a sync generator under Starlette)."""
         deadline = time.monotonic() + self.cfg.kv_transfer_timeout_s
@@ -165,9 +176,9 @@ class PrefillRole(KVRole):
                 raise HandoffError("refused", f"the receive buffer has {dst.nbytes} bytes; {n} tokens need "
                                               f"{capacity(raw_layer, self.num_layers)}")
             if spec is not None:
-                choice = self.policy.named(dst.session, spec)
+                choice = self.policy.named(dst.session, spec, key)
             else:
-                choice = self.policy.decide(dst.session, raw_layer * self.num_layers, min_quality, slo)
+                choice = self.policy.decide(dst.session, raw_layer * self.num_layers, min_quality, slo, key)
             pipe = Pipeline(choice.spec)
             yield _line({"tokens": n, "layers": self.num_layers, "spec": pipe.to_spec(), "profile": choice.name,
                          "quality": choice.quality, "bandwidth": choice.bandwidth,
@@ -187,7 +198,7 @@ class PrefillRole(KVRole):
                     if isinstance(item, LayerNotice):
                         yield _line(item.to_dict())
                     else:
-                        self.policy.observe(dst.session, choice, item)
+                        self.policy.observe(dst.session, choice, item, key)
                         self.metrics.moved("sent", item.wire_bytes, item.raw_bytes, item.total_s, item.profile)
                         yield _line({"done": True, **item.to_dict()})
             finally:
@@ -215,7 +226,8 @@ class DecodeRole(KVRole):
         await super().aclose()
 
     async def receive(self, ids: list[int], params: dict[str, Any], min_quality: float,
-                      slo: float | None, profile: str | None = None) -> dict[str, Any]:
+                      slo: float | None, profile: str | None = None, policy_key: str | None = None
+                      ) -> dict[str, Any]:
         """Pull and store the prompt's KV; returns what happened (``used`` False: the engine recomputes)."""
         n = self.cached_span(ids)
         if n == 0:
@@ -227,7 +239,7 @@ class DecodeRole(KVRole):
         t0 = time.perf_counter()
         try:
             url = params["remote_url"].rstrip("/") + PULL_PATH
-            out = await asyncio.wait_for(self._pull(url, ids, n, min_quality, slo, profile, t0),
+            out = await asyncio.wait_for(self._pull(url, ids, n, min_quality, slo, profile, policy_key, t0),
                                          timeout=self.cfg.kv_transfer_timeout_s)
             return {**out, "note": note} if note else out
         except HandoffError as e:
@@ -243,7 +255,7 @@ class DecodeRole(KVRole):
         return {"used": False, "reason": reason, "message": msg}
 
     async def _pull(self, url: str, ids: list[int], n: int, min_quality: float, slo: float | None,
-                    profile: str | None, t0: float) -> dict[str, Any]:
+                    profile: str | None, policy_key: str | None, t0: float) -> dict[str, Any]:
         cap = capacity(self.raw_layer_bytes(n), self.num_layers)
         if cap > self.cfg.kv_transfer_max_bytes:
             raise HandoffError("too_large", f"{n} tokens need a {cap}-byte receive buffer; "
@@ -253,7 +265,7 @@ class DecodeRole(KVRole):
         result: dict[str, Any] = {}
         try:
             body = {"token_ids": ids, "key_space": self.space, "dst": buf.remote().to_dict(),
-                    "min_quality": min_quality, "slo_s": slo, "profile": profile}
+                    "min_quality": min_quality, "slo_s": slo, "profile": profile, "policy_key": policy_key}
             async with self._http.stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:300].decode("utf-8", "replace")
@@ -298,7 +310,9 @@ class DecodeRole(KVRole):
         self.metrics.moved("received", wire, raw, seconds, profile)
         self.metrics.tokens.inc(got)
         return {"used": True, "tokens": got, "profile": profile, "spec": pipe.to_spec(),
-                "quality": header.get("quality"), "wire_bytes": wire, "raw_bytes": raw, "seconds": seconds,
+                "quality": header.get("quality"), "bandwidth": header.get("bandwidth"),
+                "bandwidth_measured": header.get("bandwidth_measured"), "wire_bytes": wire, "raw_bytes": raw,
+                "seconds": seconds,
                 "decode_seconds": decoded.decode_s, "sender": {k: result.get(k) for k in
                                                                ("encode_s", "write_s", "total_s")}}
 

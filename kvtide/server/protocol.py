@@ -75,6 +75,7 @@ class GenerationRequest:
     kv_min_quality: float | None = None
     kv_slo_s: float | None = None
     kv_profile: str | None = None  # a pipeline spec the hand-off must use (None: the controller chooses)
+    kv_policy_key: str | None = None  # whose policy state the prefill side decides with and updates (None: its own)
 
     @property
     def prompt_param(self) -> str:
@@ -140,7 +141,8 @@ def _common(body: dict[str, Any], req: GenerationRequest, max_choices: int, num_
 
 
 def _kv_transfer(body: dict[str, Any], req: GenerationRequest, num_prompts: int) -> None:
-    """``kv_transfer_params`` (an object, as a prefill leg returned it) and ``kv_transfer`` ({min_quality, slo_ms})."""
+    """``kv_transfer_params`` (an object, as a prefill leg returned it) and ``kv_transfer`` ({min_quality, slo_ms,
+    profile, policy_key})."""
     params = body.get("kv_transfer_params")
     if params is not None:
         if not isinstance(params, dict):
@@ -160,14 +162,21 @@ def _kv_transfer(body: dict[str, Any], req: GenerationRequest, num_prompts: int)
         return
     if not isinstance(kv, dict):
         raise bad("kv_transfer", f"'kv_transfer' must be an object, got {_kind(kv)}")
-    unknown = sorted(set(kv) - {"min_quality", "slo_ms", "profile"})
+    unknown = sorted(set(kv) - {"min_quality", "slo_ms", "profile", "policy_key"})
     if unknown:
-        raise bad("kv_transfer", f"'kv_transfer' has unknown fields {unknown}; expected min_quality, slo_ms, profile")
+        raise bad("kv_transfer", f"'kv_transfer' has unknown fields {unknown}; expected min_quality, slo_ms, profile, "
+                  "policy_key")
     prof = kv.get("profile")
     if prof is not None:
         if not isinstance(prof, str) or not prof or len(prof) > 256:
             raise bad("kv_transfer.profile", f"'profile' must be a pipeline spec string, got {_show(prof)}")
         req.kv_profile = prof
+    if kv.get("policy_key") is not None:
+        from ..transfer.policy import PolicyKeyError, check_policy_key
+        try:
+            req.kv_policy_key = check_policy_key(kv["policy_key"])
+        except PolicyKeyError as e:
+            raise bad("kv_transfer.policy_key", str(e)) from None
     if kv.get("min_quality") is not None:
         req.kv_min_quality = _number(kv, "min_quality", 1.0, low=0.0, high=1.0)
     if kv.get("slo_ms") is not None:

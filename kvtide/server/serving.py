@@ -105,7 +105,8 @@ class Serving:
             return {"kv_transfer_params": self.pd.params(self.url)} if p.get("do_remote_decode") else None
         if isinstance(self.pd, DecodeRole) and p.get("remote_url"):
             q = req.kv_min_quality if req.kv_min_quality is not None else self.cfg.kv_min_quality
-            return {"kv_transfer": await self.pd.receive(prompts[0], p, q, req.kv_slo_s, req.kv_profile)}
+            return {"kv_transfer": await self.pd.receive(prompts[0], p, q, req.kv_slo_s, req.kv_profile,
+                                                                req.kv_policy_key)}
         return None
 
     def _tokenize(self, req: GenerationRequest) -> list[list[int]]:

@@ -41,6 +41,7 @@ LOSSLESS = [BF16, "none|none|zstd", ZIPFUSION]
 # each profile gets its own copies of the prompts (else the decode side's device prefix cache serves the repeats)
 VARIANTS = {spec: [f"Part {i + 1}. {p}" for p in PROMPTS] for i, spec in enumerate(LOSSLESS)}
 KILLED = PROMPTS[0] + " Later,"  # not transferred before: the prefill side holds it only after its own prefill
+KEYED = "Part 9. " + PROMPTS[2]  # sent under a policy key of its own
 
 
 def _engine(role: str | None) -> LLM:
@@ -75,7 +76,8 @@ class Cluster:
 def reference():
     llm = _engine(None)
     greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    prompts = [*PROMPTS, KILLED, KILLED.replace("Later", "Then"), KILLED.replace("Later", "Next"), *(p for v in VARIANTS.values() for p in v)]
+    prompts = [*PROMPTS, KEYED, KILLED, KILLED.replace("Later", "Then"), KILLED.replace("Later", "Next"),
+               *(p for v in VARIANTS.values() for p in v)]
     return {p: o.text for p, o in zip(prompts, llm.generate(prompts, greedy))}
 
 
@@ -170,6 +172,36 @@ def test_transfer_killed_midway_is_recomputed(cluster, reference):
     assert cluster.decode_metric("kvtide:kv_transfer_fallbacks_total", reason="transport") >= 1
 
 
+def test_a_policy_key_keeps_its_own_state(cluster, reference):
+    policy = cluster.prefill.pd.policy
+    peer = cluster.decode.pd.transport.session
+    own = policy.observed(peer)
+    body = cluster.complete(KEYED, kv_transfer={"profile": BF16, "policy_key": "arm-a"})
+    kv = body["kv_transfer"]
+    assert kv["used"] and body["choices"][0]["text"] == reference[KEYED], kv
+    assert not kv["bandwidth_measured"]  # arm-a had measured nothing yet: the guess, not the instance's meter
+    # the transfer fed arm-a's meter only; the instance's own state (and so its next decision) never saw it
+    assert policy.observed(peer, "arm-a") == 1 and policy.observed(peer) == own
+    body = cluster.complete(KEYED, kv_transfer={"policy_key": "arm-a"})  # the controller under arm-a
+    kv = body["kv_transfer"]
+    assert kv["used"] and kv["bandwidth_measured"] and kv["quality"] == 1.0, kv
+    assert policy.observed(peer, "arm-a") == 2 and policy.observed(peer) == own
+
+
+def test_a_policy_key_past_the_bound_is_refused_and_recomputed(cluster, reference):
+    policy = cluster.prefill.pd.policy
+    keep = policy.max_keys
+    policy.max_keys = len(policy.keys()) - 1  # every named slot taken
+    try:
+        body = cluster.complete(PROMPTS[1], kv_transfer={"profile": BF16, "policy_key": "one-too-many"})
+    finally:
+        policy.max_keys = keep
+    kv = body["kv_transfer"]
+    assert kv["used"] is False and "409" in kv["message"] and "policy_key" in kv["message"], kv
+    assert body["choices"][0]["text"] == reference[PROMPTS[1]]
+    assert "one-too-many" not in policy.keys()
+
+
 def test_the_proxy_routed_around_the_dead_prefill(cluster):
     with httpx.Client(timeout=30) as c:
         text = c.get(cluster.url + "/metrics").text
@@ -187,11 +219,17 @@ def test_pull_checks_its_body(cluster):
         r = c.post(cluster.prefill_url + "/v1/kv/pull", json={"token_ids": [1, 2, 3], "key_space": space,
                                                               "dst": {"session": "s", "addr": -1, "nbytes": 1}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "dst"
+        dst = {"session": "s", "addr": 0, "nbytes": 1}
+        r = c.post(cluster.prefill_url + "/v1/kv/pull", json={"token_ids": [1, 2, 3], "key_space": space,
+                                                              "dst": dst, "policy_key": "a b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "policy_key"
 
 
 def test_bad_kv_transfer_fields_are_400(cluster):
     with httpx.Client(timeout=30) as c:
         r = c.post(cluster.decode_url + "/v1/completions", json={"prompt": "hi", "kv_transfer": {"min_quality": 2}})
         assert r.status_code == 400
+        r = c.post(cluster.decode_url + "/v1/completions", json={"prompt": "hi", "kv_transfer": {"policy_key": 3}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer.policy_key"
         r = c.post(cluster.decode_url + "/v1/completions", json={"prompt": "hi", "kv_transfer_params": [1]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
