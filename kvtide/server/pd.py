@@ -333,9 +333,11 @@ class DecodeRole(KVRole):
                 store.put(k, layer, ids[lo:lo + C], kv[:, lo:lo + C].contiguous())
 
         try:
-            device = self.engine.config.torch_device  # a GPU engine decodes with the GPU codecs
+            # a GPU engine decodes coded layers with the GPU codecs; raw BF16 goes straight to the host tier
+            device = self.engine.config.torch_device
+            coded = not (pipe.lossless and pipe.codec.name == "none")
             return receive_layers(notices(), buf, pipe, self.num_layers, (2, n, self.kv_heads, self.head_dim), sink,
-                                  device=device if device.type == "cuda" else None)
+                                  device=device if device.type == "cuda" and coded else None)
         except queue.Empty:
             raise HandoffError("timeout", "no layer notice within the transfer timeout") from None
 
