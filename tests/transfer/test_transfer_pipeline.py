@@ -231,3 +231,24 @@ def test_zipfusion_real_if_present():
     p = Pipeline("hadamard|kivi:k=4,v=4|zipf")
     blob = p.encode(x)
     assert (p.decode(blob).float() - x.float()).abs().max() <= p.error_bound(blob) + 2**-8 * x.float().abs().max()
+
+
+def test_pack_takes_tensor_payloads_as_their_bytes():
+    """A stream payload handed over as a uint8 tensor (as GPU codecs do) packs to the same blob as its bytes."""
+    from kvtide.transfer.container import Entry, StreamRecord, pack, unpack
+    raw = [bytes(range(7)), b"", bytes(range(200, 256)) * 3]
+
+    def blob(as_tensor: list[bool]) -> bytes:
+        recs = [StreamRecord(f"s{i}", "|u1", (len(r),), None, False,
+                             torch.tensor(list(r), dtype=torch.uint8) if t else r)
+                for i, (r, t) in enumerate(zip(raw, as_tensor))]
+        return bytes(pack("none|none|none", [Entry(None, (300,), "bfloat16", {}, recs)]))
+
+    want = blob([False, False, False])
+    for mix in ([True, True, True], [True, False, True], [False, True, False]):
+        assert blob(mix) == want
+    _, entries = unpack(want)
+    assert [bytes(s.payload) for s in entries[0].streams] == raw
+    with pytest.raises(TypeError, match="uint8"):
+        pack("none|none|none", [Entry(None, (1,), "bfloat16", {}, [
+            StreamRecord("x", "<u2", (1,), None, False, torch.zeros(1, dtype=torch.int16))])])
