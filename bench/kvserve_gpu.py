@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-table", default=None, help="folder for profiles_<model>_gpu.json (default: none)")
     ap.add_argument("--out", default=str(RESULTS / "kvserve_gpu.json"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="measure no new profile after this many seconds (the rest are listed as skipped)")
     a = ap.parse_args(argv)
+    t_start = time.perf_counter()
     cuda = a.device.startswith("cuda")
     layers, tokens = a.layers or (32 if cuda else 2), a.tokens or (8192 if cuda else 256)
     nv = cuda and not a.no_nvcomp and nvcodecs.gpu_ready(a.device)
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(note, flush=True)
     tables = [Path(t) for t in a.tables] if a.tables else sorted(DATA.glob("profiles_*.json"))
     kv, kv_note = make_kv(layers, tokens, a.heads, a.head_dim, a.device, Path(a.real_kv), a.seed)
+    print(f"KV {list(kv.shape)} ready after {time.perf_counter() - t_start:.1f} s ({kv_note[:60]})", flush=True)
     scores = torch.rand(layers, a.heads, generator=torch.Generator().manual_seed(a.seed))
     rows: dict[str, dict] = {}
     per_table: dict[str, list[tuple[Profile, str]]] = {}
@@ -157,15 +161,21 @@ def main(argv: list[str] | None = None) -> int:
             spec = device_spec(p.name, nv)
             per_table.setdefault(str(t), []).append((p, spec))
             if spec not in rows:
+                if a.deadline_s is not None and time.perf_counter() - t_start > a.deadline_s:
+                    rows[spec] = {"spec": spec, "error": "skipped: past --deadline-s"}
+                    continue
+                t_p = time.perf_counter()
                 try:
                     rows[spec] = measure(spec, kv, scores, a.device, a.warmup, max(1, a.reps))
+                    rows[spec]["bench_seconds"] = time.perf_counter() - t_p
                 except Exception as e:  # one profile failing is reported; the others are still measured
                     rows[spec] = {"spec": spec, "error": f"{type(e).__name__}: {e}"[:500]}
                     print(f"{spec:58s} FAILED {rows[spec]['error']}", flush=True)
                     continue
                 r = rows[spec]
                 print(f"{spec:58s} ratio {r['ratio']:6.2f}  enc {r['encode_Bps'] / 1e9:8.2f} GB/s  "
-                      f"dec {r['decode_Bps'] / 1e9:8.2f} GB/s  B* {r['B_star_Gbps']:8.1f} Gbps", flush=True)
+                      f"dec {r['decode_Bps'] / 1e9:8.2f} GB/s  B* {r['B_star_Gbps']:8.1f} Gbps "
+                      f"({r['bench_seconds']:.1f} s)", flush=True)
     real = kv_note.startswith("real")
     doc = {"bench": "kvserve_gpu", "device": torch.cuda.get_device_name() if cuda else "cpu", "kv": kv_note,
            "shape": [layers, 2, tokens, a.heads, a.head_dim], "nvcomp": nv, "note": note,

@@ -3,7 +3,8 @@ format is shared.
 
 Each stage codes the same bytes as the CPU byte codecs (packed codes, or byte planes: ``codecs.wire_bytes``). A
 stream is cut into fixed-size chunks that nvCOMP codes as one batch (one call, chunks in parallel on the GPU);
-each chunk is stored as a u32 length and its coded bytes:
+each chunk is stored as a 16-byte head (a u32 length, 12 zero bytes), its coded bytes and zeros up to a multiple
+of 16 bytes, so every chunk starts 16-byte aligned in the stream (nvCOMP's decoders require it):
 
 - ``nvzstd``: chunks of ``ZSTD_CHUNK`` bytes, each one standard zstd frame that declares its content size (nvCOMP's
   ``RAW`` bitstream), so the CPU ``zstandard`` package decodes it (through ``bounded.zstd``) and encodes it where
@@ -175,35 +176,59 @@ ZSTD_CHUNK = 1 << 16  # bytes per nvzstd chunk (frame): enough chunks to fill th
 ANS_CHUNK = 1 << 20  # bytes per nvans chunk: one WITH_UNCOMPRESSED_SIZE ANS stream of a whole large array failed
 
 
+_HEAD_BYTES = 16  # a chunk's head: u32 length, 12 zero bytes
+_ZEROS = bytes(_HEAD_BYTES)
+
+
+def _pad(k: int) -> int:
+    return -k % _HEAD_BYTES
+
+
 def chunk_spans(data: Any, size: int, chunk: int, declared: Callable[[memoryview], int], name: str
                 ) -> list[tuple[int, int]]:
     """(offset, length) of each coded chunk of a stream of ``size`` bytes cut in ``chunk``-byte chunks, after
-    checking the framing in full (ceil(size / chunk) chunks, each a u32 length then its bytes) and that each chunk
-    declares (``declared``) the size it must decode to."""
+    checking the framing in full (ceil(size / chunk) chunks, each a 16-byte head holding its u32 length, its bytes,
+    zeros to a multiple of 16) and that each chunk declares (``declared``) the size it must decode to."""
     buf = memoryview(data).cast("B")
     want = [min(chunk, size - i) for i in range(0, size, chunk)]
     out, off = [], 0
     for i, w in enumerate(want):
-        if off + _U32.size > len(buf):
+        if off + _HEAD_BYTES > len(buf):
             raise ContainerError(f"{name}: stream truncated at chunk {i} of {len(want)}")
         (k,) = _U32.unpack_from(buf, off)
-        if k > len(buf) - off - _U32.size:
-            raise ContainerError(f"{name}: chunk {i} claims {k} bytes, {len(buf) - off - _U32.size} left")
-        d = declared(buf[off + _U32.size: off + _U32.size + k])
+        at = off + _HEAD_BYTES
+        if k > len(buf) - at:
+            raise ContainerError(f"{name}: chunk {i} claims {k} bytes, {len(buf) - at} left")
+        end = at + k + _pad(k)
+        if end > len(buf) or buf[off + 4: at] != _ZEROS[4:] or buf[at + k: end] != _ZEROS[:_pad(k)]:
+            raise ContainerError(f"{name}: chunk {i}: its head or padding is not zeros, or the padding is cut")
+        d = declared(buf[at: at + k])
         if d != w:
             raise ContainerError(f"{name}: chunk {i} declares {d} bytes, the stream's shape implies {w}")
-        out.append((off + _U32.size, k))
-        off += _U32.size + k
+        out.append((at, k))
+        off = end
     if off != len(buf):
         raise ContainerError(f"{name}: {len(buf) - off} bytes after the last chunk")
     return out
 
 
+def _frame_host(parts: list[bytes]) -> bytes:
+    return b"".join(_U32.pack(len(p)) + _ZEROS[4:] + p + _ZEROS[:_pad(len(p))] for p in parts)
+
+
 def _framed(parts: list[torch.Tensor]) -> torch.Tensor:
-    """u32 length then bytes, for every part, concatenated on the parts' device."""
-    lens = torch.from_numpy(np.array([p.numel() for p in parts], dtype="<u4").view(np.uint8).reshape(-1, 4))
-    lens = lens.to(parts[0].device)
-    return torch.cat([x for i, p in enumerate(parts) for x in (lens[i], p)])
+    """Every part behind its 16-byte head and padded to a multiple of 16, concatenated on the parts' device."""
+    dev = parts[0].device
+    heads = np.zeros((len(parts), _HEAD_BYTES), np.uint8)
+    heads[:, :4] = np.array([p.numel() for p in parts], dtype="<u4").view(np.uint8).reshape(-1, 4)
+    heads_t = torch.from_numpy(heads).to(dev)
+    zeros = torch.zeros(_HEAD_BYTES, dtype=torch.uint8, device=dev)
+    out = []
+    for i, p in enumerate(parts):
+        out += [heads_t[i], p]
+        if _pad(p.numel()):
+            out.append(zeros[:_pad(p.numel())])
+    return torch.cat(out)
 
 
 def _batch(algorithm: str, kind: str, device: torch.device, srcs: list[torch.Tensor], decode: bool
@@ -271,8 +296,7 @@ class NvZstd(_ChunkedNvCodec):
     def _cpu_encode(self, raw):
         zstandard = require("zstandard", "transfer", "the nvzstd codec on the CPU")
         z = zstandard.ZstdCompressor(level=3, write_content_size=True)
-        parts = [z.compress(raw[i: i + self.chunk]) for i in range(0, len(raw), self.chunk)]
-        return b"".join(_U32.pack(len(p)) + p for p in parts)
+        return _frame_host([z.compress(raw[i: i + self.chunk]) for i in range(0, len(raw), self.chunk)])
 
     def _declared(self, frame):
         zstandard = require("zstandard", "transfer", "the nvzstd codec's size check")

@@ -85,15 +85,19 @@ def test_nvans_without_gpu_names_the_package(monkeypatch):
 
 
 def _ans_chunk(declared: int, body: bytes = b"\0" * 8) -> bytes:
-    return struct.pack("<I", 8 + len(body)) + struct.pack("<Q", declared) + body
+    return nvcodecs._frame_host([struct.pack("<Q", declared) + body])
 
 
 def test_nvans_chunk_framing_checked_in_full():
     n = nvcodecs.ANS_CHUNK
     good = _ans_chunk(n) + _ans_chunk(n) + _ans_chunk(5)
     assert [k for _, k in nvcodecs.ans_chunks(good, 2 * n + 5)] == [16, 16, 16]
+    odd = _ans_chunk(n, b"\0" * 9)  # 17 coded bytes: 15 bytes of padding follow
+    assert len(odd) == 48 and [k for _, k in nvcodecs.ans_chunks(odd + _ans_chunk(n) + _ans_chunk(5), 2 * n + 5)] == [
+        17, 16, 16]
     for bad, msg in ((good[:-1], "claims"), (good + b"\0", "after the last"), (_ans_chunk(n) + _ans_chunk(5), "declares"),
-                     (good[:20], "truncated"), (struct.pack("<I", 1 << 31) + good[4:], "claims")):
+                     (good[:40], "truncated"), (struct.pack("<I", 1 << 31) + good[4:], "claims"),
+                     (good[:8] + b"\1" + good[9:], "not zeros"), (odd[:-1] + b"\1" + good[32:], "not zeros")):
         with pytest.raises(ContainerError, match=msg):
             nvcodecs.ans_chunks(bad, 2 * n + 5)
 
@@ -110,7 +114,7 @@ def test_malformed_nv_streams_rejected_before_decoding():
     import zstandard
     no_size = zstandard.ZstdCompressor(write_content_size=False).compress(raw.tobytes())
     with pytest.raises(ContainerError, match="declares"):
-        c.decode(struct.pack("<I", len(no_size)) + no_size, np.dtype("|u1"), (256,), None, False)
+        c.decode(nvcodecs._frame_host([no_size]), np.dtype("|u1"), (256,), None, False)
     with pytest.raises(ContainerError, match="claims"):  # a bare frame, no chunk framing
         c.decode(no_size, np.dtype("|u1"), (256,), None, False)
     lz = nvcodecs.NvLz4()
