@@ -9,9 +9,10 @@ Reported latency is the true expected KV time (coding + wire, no model time) of 
 
 Throughput scenarios: ``cpu-measured`` uses the tables' throughputs as measured by this CPU's numpy
 pipelines (tens of MB/s: compression cannot pay off at >= 5 Gbps, the controller must see that);
-``gpu-assumed`` rescales them so that the median profile codes at --gpu-median GB/s (an assumption standing
-in for GPU kernels, relative costs kept as measured). Drift: offline-to-online mismatch per profile
-(log-normal, fixed) and a contention episode in the middle third that halves every coding throughput.
+``gpu-measured`` takes each profile's encode and decode rates as bench/kvserve_gpu.py measured them on the H200
+(``--gpu-rates``; every stage on the GPU, the entropy stage its nvCOMP one), ratio and quality as profiled;
+profiles that run was not given are left out (counted in the JSON). Drift: offline-to-online mismatch per
+profile (log-normal, fixed) and a contention episode in the middle third that halves every coding throughput.
 """
 from __future__ import annotations
 
@@ -68,9 +69,23 @@ def bandwidth_trace(cfg: TraceConfig) -> list[float]:
     return out
 
 
-def scaled(profiles: list[Profile], factor: float) -> list[Profile]:
-    return [Profile(p.name, p.ratio, p.encode_throughput * factor, p.decode_throughput * factor, p.quality)
-            for p in profiles]
+def gpu_measured(profiles: list[Profile], rows: dict[str, dict]) -> tuple[list[Profile], list[str]]:
+    """The profiles with the GPU's measured coding rates (by device spec), and the specs the GPU run lacks.
+    BF16 (no coding) is kept as it is."""
+    from bench.kvserve_gpu import device_spec
+
+    out, missing = [], []
+    for p in profiles:
+        if math.isinf(p.throughput):
+            out.append(p)
+            continue
+        spec = device_spec(p.name, nv=True)
+        r = rows.get(spec)
+        if r is None:
+            missing.append(p.name)
+            continue
+        out.append(Profile(spec, p.ratio, r["encode_Bps"], r["decode_Bps"], p.quality))
+    return out, missing
 
 
 def true_time(p: Profile, bw: float, volume: float, mult: float) -> float:
@@ -180,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profiles", default=str(RESULTS / "kvserve_profiles.json"))
     ap.add_argument("--context", type=int, default=8192, help="tokens of KV per request")
     ap.add_argument("--min-quality", type=float, default=0.97)
-    ap.add_argument("--gpu-median", type=float, default=10.0, help="GB/s of the median profile, gpu-assumed scenario")
+    ap.add_argument("--gpu-rates", default=str(RESULTS / "kvserve_gpu_h200.json"),
+                    help="bench/kvserve_gpu.py JSON: the gpu-measured scenario's coding rates")
     ap.add_argument("--drift-sigma", type=float, default=0.3)
     ap.add_argument("--contention", type=float, default=0.5)
     ap.add_argument("--obs-noise", type=float, default=0.05)
@@ -198,19 +214,27 @@ def main(argv: list[str] | None = None) -> None:
            "os": platform.platform(), "profiles_from": args.profiles, "profiles_date": prof_doc["env"]["date"],
            "weights": "real (bundled) for the profile tables; latencies are model predictions, no network used"},
            "args": vars(args), "trace": vars(tcfg), "trace_gbps": gbps, "runs": {}}
+    gpu_path = Path(args.gpu_rates)
+    gpu_doc = json.loads(gpu_path.read_text()) if gpu_path.exists() else None
+    gpu_rows = {r["spec"]: r for r in gpu_doc["rows"] if "error" not in r} if gpu_doc else {}
+    if gpu_doc:
+        doc["env"]["gpu_rates_from"] = {"file": args.gpu_rates, "device": gpu_doc.get("device"),
+                                        "kv": gpu_doc.get("kv"), "nvcomp": gpu_doc.get("nvcomp")}
     for run in prof_doc["runs"]:
         table = Path(RESULTS.parent.parent / run["table"])
         profiles = load_profiles(table)
         per_token = run["shape"]["request_kv_bytes"] / run["shape"]["request_kv_shape"][2]
         volume = per_token * args.context
-        finite = sorted(p.throughput for p in profiles if math.isfinite(p.throughput))
-        med = statistics.median(finite) if finite else 1.0
-        for scen, factor in (("cpu-measured", 1.0), ("gpu-assumed", args.gpu_median * 1e9 / med)):
-            ps = scaled(profiles, factor)
+        scenarios = [("cpu-measured", profiles, [])]
+        if gpu_rows:
+            scenarios.append(("gpu-measured", *gpu_measured(profiles, gpu_rows)))
+        for scen, ps, missing in scenarios:
+            finite = sorted(p.throughput for p in ps if math.isfinite(p.throughput))
             sim = simulate(ps, gbps, volume, args.min_quality, tcfg, args.drift_sigma, args.contention, args.obs_noise)
             key = f"{run['model']}/{run['workload']}/{scen}"
-            doc["runs"][key] = {"table": run["table"], "volume_bytes": volume, "throughput_scale": factor,
-                                "median_profile_throughput_GBps": med * factor / 1e9,
+            doc["runs"][key] = {"table": run["table"], "volume_bytes": volume, "profiles": len(ps),
+                                "profiles_without_gpu_rates": missing,
+                                "median_profile_throughput_GBps": statistics.median(finite) / 1e9 if finite else None,
                                 "summary": summarise(sim, gbps, args.high_gbps), "sim": sim}
             s = doc["runs"][key]["summary"]
             hb = s["high_bandwidth"]
@@ -220,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                   f" online {hb.get('online', {}).get('mean_vs_bf16', float('nan')):.3f}"
                   f" | online eps 0.02 vs oracle {s['vs_oracle'].get('online_eps0.02', float('nan')):.3f}"
                   f" | decide p99 {sim['decide_ms_p99']:.3f} ms", flush=True)
-    gpu = [k for k in doc["runs"] if k.endswith("gpu-assumed")]
+    gpu = [k for k in doc["runs"] if k.endswith("gpu-measured")]
     doc["plot_key"] = gpu[0] if gpu else next(iter(doc["runs"]))
     doc["summary"] = {k: {"select_vs_oracle": v["summary"]["vs_oracle"]["select"],
                           "online_vs_oracle": v["summary"]["vs_oracle"]["online"],

@@ -1,6 +1,6 @@
 """KVServe profiles on the GPU: encode and decode throughput of every packaged profile, its ratio, and its B*.
 
-For each profile of the packaged tables (kvtide/transfer/data/profiles_*.json) the pipeline runs with every stage
+For each profile of the packaged tables (kvtide/transfer/data/profiles_<model>.json) the pipeline runs with every stage
 on the device: transform and quantizer in torch, and the entropy stage on nvCOMP where it is installed (``zstd`` ->
 ``nvzstd``, ``lz4`` -> ``nvlz4``, ``ans`` -> ``nvans``; the row is named by the spec that ran). Without nvCOMP the
 CPU entropy stages run (noted in the JSON). Timing: CUDA events around ``Pipeline.encode`` (KV on the GPU -> blob
@@ -14,7 +14,7 @@ BF16 (stated in the JSON; its ratios then say nothing about real KV and the tabl
 MixHQ head scores at that shape are seeded random (the bit split by ``frac`` is what the timing depends on).
 
 ``--write-table DIR`` writes ``profiles_<model>_gpu.json`` per source table in table.py's format, with the measured
-rates, so the controller reads GPU rates. ``--device cpu`` (small default shape) smokes the same code on a CPU.
+rates; the copies in kvtide/transfer/data are what a GPU instance's transfer policy reads (policy.packaged_table). ``--device cpu`` (small default shape) smokes the same code on a CPU.
 
     python bench/kvserve_gpu.py --out $OUT/kvserve_gpu.json --write-table $OUT
     python bench/kvserve_gpu.py --device cpu --tokens 128 --layers 2 --reps 1
@@ -47,6 +47,11 @@ RESULTS = ROOT / "bench" / "results"
 REAL_KV = ROOT / "bench" / "data" / "real_kv.safetensors"
 NV = {"zstd": "nvzstd", "lz4": "nvlz4", "ans": "nvans"}
 GBPS = 1e9 / 8
+
+
+def source_tables() -> list[Path]:
+    """The packaged CPU-profiled tables (not the ``*_gpu.json`` ones this benchmark writes)."""
+    return sorted(p for p in DATA.glob("profiles_*.json") if not p.stem.endswith("_gpu"))
 
 
 def device_spec(spec: str, nv: bool) -> str:
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     note = "nvCOMP entropy stages on the GPU" if nv else (
         "nvCOMP not used (absent, --no-nvcomp or not CUDA): entropy stages zstd/lz4/ans run on the CPU")
     print(note, flush=True)
-    tables = [Path(t) for t in a.tables] if a.tables else sorted(DATA.glob("profiles_*.json"))
+    tables = [Path(t) for t in a.tables] if a.tables else source_tables()
     kv, kv_note = make_kv(layers, tokens, a.heads, a.head_dim, a.device, Path(a.real_kv), a.seed)
     print(f"KV {list(kv.shape)} ready after {time.perf_counter() - t_start:.1f} s ({kv_note[:60]})", flush=True)
     scores = torch.rand(layers, a.heads, generator=torch.Generator().manual_seed(a.seed))

@@ -15,7 +15,7 @@ executor, TTFT of one request:
 CPU (default, SmolLM2-135M, real weights): the links are scaled the way bench/restore.py scales them: g Gbps becomes
 B* g / 25.6, B* the measured balance point (loading the prefix takes as long as recomputing it), so that at "10
 Gbps" T_load / T_recompute is 2.56, the ratio of a Llama-3.1-8B shape on an H200 at 10 Gbps.
-GPU: ``--device cuda --model random:llama3-8b`` (RANDOM weights) at 5 / 10 / 15 Gbps, 8K / 16K / 32K-token prefixes;
+GPU: ``--device cuda --model random:llama3-8b`` (RANDOM weights) at 5 / 10 / 15 Gbps, 8K / 16K / 30K-token prefixes;
 ``--real-kv FILE`` (a bench/zip_attention.py --capture file) replaces the KV written to the store by a real model's,
 so the profiles' ratios and decode times are those of real KV. Profile qualities are the table's (real models).
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--lengths", type=int, nargs="*", help="prefix tokens (CPU 512 1024 2048; GPU 8192 16384 32768)")
+    ap.add_argument("--lengths", type=int, nargs="*", help="prefix tokens (CPU 512 1024 2048; GPU 8192 16384 30720)")
     ap.add_argument("--gbps", type=float, nargs="*", default=[5.0, 10.0, 15.0], help="links (CPU: equivalents)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None)
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
-    a.lengths = a.lengths or ([8192, 16384, 32768] if gpu else [512, 1024, 2048])
+    # the 8B preset's context is 32,768 tokens: the longest prefix leaves room for its suffix and the probes
+    a.lengths = a.lengths or ([8192, 16384, 30720] if gpu else [512, 1024, 2048])
     a.chunk = a.chunk or (512 if gpu else 128)  # a profile's container costs ~1 KiB an entry: not 32-token ones
     a.store_gb = 64 if gpu else 4
     a.max_batched_tokens = 32768 if gpu else 4096

@@ -81,7 +81,7 @@ class PrefillRole(KVRole):
 
     def __init__(self, engine: "LLMEngine", cfg: ServerConfig, transport: Transport, metrics: TransferMetrics):
         super().__init__(engine, cfg, transport, metrics)
-        table = cfg.kv_profiles or packaged_table(engine.config.model)
+        table = cfg.kv_profiles or packaged_table(engine.config.model, engine.config.torch_device)
         profiles = measured_lossless((256, self.kv_heads, self.head_dim))
         if table:
             profiles = table_profiles(str(table)) + profiles

@@ -65,10 +65,14 @@ def measured_lossless(layer_shape: tuple[int, int, int], seed: int = 0) -> list[
     return out
 
 
-def packaged_table(model: str) -> Path | None:
-    """The KVServe table shipped for a bundled model (its prose workload), if one ships."""
-    path = Path(__file__).resolve().parent / "data" / f"profiles_{model}.json"
-    return path if path.exists() else None
+def packaged_table(model: str, device: str | torch.device = "cpu") -> Path | None:
+    """The KVServe table shipped for a bundled model (its prose workload), if one ships: on a CUDA device the one
+    whose coding rates were measured on a GPU (``profiles_<model>_gpu.json``, bench/kvserve_gpu.py) where it exists."""
+    data = Path(__file__).resolve().parent / "data"
+    names = [f"profiles_{model}.json"]
+    if torch.device(device).type == "cuda":
+        names.insert(0, f"profiles_{model}_gpu.json")
+    return next((data / n for n in names if (data / n).exists()), None)
 
 
 def table_profiles(path: str) -> list[Profile]:

@@ -23,7 +23,7 @@ def test_cpu_smoke_measures_every_profile_and_writes_tables(tmp_path):
     doc = json.loads(out.read_text())
     rows = {r["spec"]: r for r in doc["rows"]}
     assert not doc["nvcomp"] and doc["kv"].startswith("random")
-    for table in sorted(kvserve_gpu.DATA.glob("profiles_*.json")):
+    for table in kvserve_gpu.source_tables():
         src = load_profiles(table)
         got = load_profiles(tmp_path / f"{table.stem}_gpu.json")
         assert len(got) == len(src)

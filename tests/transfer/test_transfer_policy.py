@@ -3,6 +3,8 @@ shared-state policy let one decision process's transfers steer another's choice)
 instance's own, and malformed or surplus keys are refused naming the field."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtide.transfer.baselines import KIVI_2BIT
@@ -73,3 +75,11 @@ def test_named_keys_are_bounded_and_checked():
     assert check_policy_key("no-bandwidth-model.v2_1") == "no-bandwidth-model.v2_1"
     with pytest.raises(ValueError, match="max_keys"):
         _policy(max_keys=-1)
+
+
+def test_packaged_table_prefers_the_gpu_rates_on_cuda():
+    from kvtide.transfer.policy import packaged_table
+    cpu, gpu = packaged_table("smollm2-135m"), packaged_table("smollm2-135m", "cuda")
+    assert cpu.name == "profiles_smollm2-135m.json" and gpu.name == "profiles_smollm2-135m_gpu.json"
+    assert "H200" in json.loads(gpu.read_text())["info"]["throughput"]
+    assert packaged_table("no-such-model", "cuda") is None
