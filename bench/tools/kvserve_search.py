@@ -69,27 +69,30 @@ class CachedEvaluator:
             log.info("%4d  q=%.3f cr=%.2f  %.1fs  %s", len(self.records), r.quality, r.ratio, r.seconds, spec)
         return self.records[spec]
 
+    def row(self, spec: str) -> dict:
+        return self.record(spec).as_dict()
+
     def __call__(self, spec: str) -> tuple[float, float, float, float]:
         r = self.record(spec)
         return r.ratio, r.encode_throughput, r.decode_throughput, r.quality
 
 
 class ReplayEvaluator:
-    """Answers from the ``table`` of an earlier result (spec -> record); a spec outside it is an error, so a
-    replay never evaluates anything."""
+    """Answers from the ``table`` of an earlier result (spec -> record as stored, whatever fields its version of
+    EvalRecord had); a spec outside it is an error, so a replay never evaluates anything."""
 
     def __init__(self, table: dict[str, dict]) -> None:
-        self.records = {s: EvalRecord(**r) for s, r in table.items()}
+        self.rows = table
         self.fresh = 0
 
-    def record(self, spec: str) -> EvalRecord:
-        if spec not in self.records:
+    def row(self, spec: str) -> dict:
+        if spec not in self.rows:
             raise SystemExit(f"replay: {spec} is not in the replayed table (a subset of other size or seed?)")
-        return self.records[spec]
+        return self.rows[spec]
 
     def __call__(self, spec: str) -> tuple[float, float, float, float]:
-        r = self.record(spec)
-        return r.ratio, r.encode_throughput, r.decode_throughput, r.quality
+        r = self.row(spec)
+        return r["ratio"], r["encode_throughput"], r["decode_throughput"], r["quality"]
 
 
 def resampled(args: argparse.Namespace, sub: SearchSpace, table: dict) -> list[dict]:
@@ -176,10 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     qcfg = QualityConfig()
     prev = json.loads(args.replay.read_text()) if args.replay else None
     if prev is not None:
-        for k in ("model", "workload", "threshold", "quality_config"):
-            want = qcfg.__dict__ if k == "quality_config" else getattr(args, k)
-            if prev.get(k) != want:
-                raise SystemExit(f"--replay {args.replay}: {k} is {prev.get(k)!r}, not {want!r}")
+        for k in ("model", "workload", "threshold"):
+            if prev.get(k) != getattr(args, k):
+                raise SystemExit(f"--replay {args.replay}: {k} is {prev.get(k)!r}, not {getattr(args, k)!r}")
+        old_q = prev.get("quality_config", {})  # written before QualityConfig grew fields: compare those it has
+        if any(qcfg.__dict__.get(k) != v for k, v in old_q.items()):
+            raise SystemExit(f"--replay {args.replay}: quality_config {old_q} differs from {qcfg.__dict__}")
         ev = ReplayEvaluator(prev["table"])
     else:
         cache = args.cache or Path(f"/tmp/kvserve_search_{args.model}_{args.workload}.json")
@@ -195,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     t_sub = time.perf_counter() - t_sub
     opt = optimum(table, args.threshold)
     doc: dict = {"bench": "kvserve_search", "model": args.model, "workload": args.workload,
-                 "threshold": args.threshold, "quality_config": qcfg.__dict__, "env": environment(args),
+                 "threshold": args.threshold, "env": environment(args),
+                 "quality_config": prev["quality_config"] if prev is not None else qcfg.__dict__,
                  "full_space_size": len(full.configs()), "subset_size": len(specs),
                  "subset_seconds": round(t_sub, 1), "subset_fresh_evaluations": ev.fresh,
                  "subset_feasible": sum(r[3] >= args.threshold for r in table.values())}
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         doc["full_space"] = {"runs": runs, "distinct_configurations_evaluated": len(evaluated),
                              "best_ratio_among_all_evaluated": best_seen[0] if best_seen else None,
                              "best_specs_among_all_evaluated": sorted(best_seen[1]) if best_seen else None}
-    doc["table"] = {s: ev.records[s].as_dict() for s in specs}
+    doc["table"] = {s: ev.row(s) for s in specs}
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     report.write(args.out, doc, argv=argv, png=False)
     print(json.dumps({k: doc[k] for k in ("subset_size", "full_space_size")} |
