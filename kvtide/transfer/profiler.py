@@ -4,11 +4,18 @@ quality, and write the 3D Pareto set (quality, ratio, throughput) as a profile t
 Model-agnostic: it calls ``evaluate(spec) -> (ratio, encode_throughput, decode_throughput, quality)``.
 Modes: ``bo`` (constrained GP Bayesian optimisation, Algorithm 1), ``exhaustive``, ``random``.
 BO: configurations embedded one-hot (categorical) + min-max (numeric); two GPs (quality; log ratio);
-acquisition  a(c) = CR(c)/CR_max * P(q >= thr) + lambda0 exp(-decay t) * sigma_q(c)/max sigma_q;
-bi-directional pruning once exploiting (feasible at CR -> drop predicted CR < CR(1-eps); far infeasible at CR
--> drop predicted CR > CR(1+eps) among configurations with the same categorical choices: the CR/quality
-trade-off is monotone along one pipeline's ordered parameters, not across pipelines, where the paper's global
-rule would discard e.g. a rotated variant that is feasible at a higher CR); early stop after ``patience`` evaluations without a better feasible CR.
+acquisition: constrained expected improvement  a(c) = P(q(c) >= thr) * EI(log CR(c) over the best feasible log CR)
+(P(q >= thr) alone until a feasible point is known), so exploration comes from both GPs' uncertainty;
+order pruning after every evaluation, exact where dimensions declare an order (``Dimension.monotone``: more bits
+never lower quality nor raise CR) or exactness (``Dimension.lossless``: a codec leaves quality alone): an infeasible
+point removes every configuration it dominates in quality, a feasible one every same-codec configuration that
+dominates it in quality (so has no higher CR); bi-directional pruning on the predicted CR once exploiting, i.e.
+once lambda0 exp(-decay t) < 0.1 (feasible at CR -> drop predicted CR < CR(1-eps); far infeasible at CR -> drop
+predicted CR > CR(1+eps) among configurations with the same categorical choices: the CR/quality trade-off is
+monotone along one pipeline's ordered parameters, not across pipelines, where the paper's global rule would
+discard e.g. a rotated variant that is feasible at a higher CR); early stop after ``patience`` evaluations
+without a better feasible CR. The paper's acquisition (CR/CR_max * P(q >= thr) plus a decaying sigma_q bonus)
+needed more evaluations on the replayed KV tables (bench/tools/kvserve_search.py), so cEI replaced it.
 Resumable: every evaluation is appended to ``state_path`` (JSON) and replayed on restart.
 """
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from scipy.special import ndtr
 
 from ..extras import require
 from .controller import Profile, pareto_front
@@ -35,15 +43,28 @@ Evaluate = Callable[[str], tuple[float, float, float, float]]
 
 @dataclass(frozen=True)
 class Dimension:
+    """One axis of a search space. ``monotone`` (numeric only): +1 when a larger value never lowers quality and
+    never raises the ratio (bit width, kept outlier channels), -1 for the reverse (group size), 0 for no known
+    order. ``lossless``: the dimension picks an exact stage (a codec), so quality does not depend on it. Both
+    let the profiler skip configurations that provably cannot beat an evaluated one."""
+
     name: str
     values: tuple
     numeric: bool = False
+    monotone: int = 0
+    lossless: bool = False
 
     def __post_init__(self) -> None:
         if not self.values or len(set(self.values)) != len(self.values):
             raise ValueError(f"dimension {self.name}: values must be non-empty and distinct")
         if self.numeric and not all(isinstance(v, (int, float)) for v in self.values):
             raise ValueError(f"dimension {self.name}: numeric values must be numbers")
+        if self.monotone not in (-1, 0, 1):
+            raise ValueError(f"dimension {self.name}: monotone must be -1, 0 or 1, got {self.monotone!r}")
+        if self.monotone and not self.numeric:
+            raise ValueError(f"dimension {self.name}: monotone needs a numeric dimension")
+        if self.monotone and self.lossless:
+            raise ValueError(f"dimension {self.name}: a lossless dimension cannot order quality (monotone)")
 
 
 class SearchSpace:
@@ -110,9 +131,9 @@ def pipeline_space(transforms: Sequence[str] = ("none", "delta", "hadamard", "af
         return f"{c['transform']}|{q}|{c['codec']}"
     return SearchSpace([Dimension("transform", tuple(transforms)),
                         Dimension("quant", tuple(quants)),
-                        Dimension("bits", tuple(bits), numeric=True),
-                        Dimension("group", tuple(groups), numeric=True),
-                        Dimension("codec", tuple(codecs))], render)
+                        Dimension("bits", tuple(bits), numeric=True, monotone=1),
+                        Dimension("group", tuple(groups), numeric=True, monotone=-1),
+                        Dimension("codec", tuple(codecs), lossless=True)], render)
 
 
 @dataclass
@@ -133,7 +154,7 @@ class ProfilerConfig:
     mode: str = "bo"
     max_evals: int = 80
     n_init: int = 6
-    lambda0: float = 1.0
+    lambda0: float = 1.0  # lambda0 exp(-decay t) < 0.1 marks exploitation, when predicted-CR pruning starts
     decay: float = 0.1
     prune_eps: float = 0.05
     infeasible_margin: float = 0.02
@@ -265,16 +286,19 @@ class Profiler:
         cfg, n = self.cfg, len(self.configs)
         X = torch.tensor(self.space.embed(self.configs), dtype=torch.double)
         cat = np.concatenate([self.space.embed(self.configs)[:, i: i + 1] for i in self._cat_columns()], 1)
+        order = _OrderPruning(self.space, self.configs)
         alive = np.ones(n, bool)
-        for i in self.points:
+        for i, p in self.points.items():  # resumed points: evaluated, and they prune as fresh ones do
             alive[i] = False
+            order.prune(i, p.quality >= cfg.quality_threshold, alive)
         canon = {_canonical(s): i for i, s in enumerate(self.specs)}
         warm = [canon[c] for c in map(_canonical, self.warm_start) if c in canon and alive[canon[c]]]
         init = warm + [i for i in rng.sample(range(n), n) if alive[i] and i not in warm][
             : max(0, cfg.n_init - len(self.points) - len(warm))]
         for i in init:
-            self._eval(i)
+            pt = self._eval(i)
             alive[i] = False
+            order.prune(i, pt.quality >= cfg.quality_threshold, alive)
         hyper: dict[str, dict] = {}
         best, fails, t = self._best(), 0, 0
         while len(self.points) < cfg.max_evals:
@@ -306,13 +330,19 @@ class Profiler:
                     p = gp.posterior(X)
                     post[key] = (p.mean.squeeze(-1).numpy(), p.variance.clamp_min(1e-12).sqrt().squeeze(-1).numpy())
             mq, sq = post["q"]
-            cr = np.exp(post["c"][0])
-            pfeas = 0.5 * (1 + np.vectorize(math.erf)((mq - cfg.quality_threshold) / (sq * math.sqrt(2))))
+            mc, sc = post["c"]
+            cr = np.exp(mc)
+            pfeas = ndtr((mq - cfg.quality_threshold) / sq)
             lam = cfg.lambda0 * math.exp(-cfg.decay * t)
-            a = cr[alive] / cr[alive].max() * pfeas[alive] + lam * sq[alive] / max(sq[alive].max(), 1e-12)
+            if best is None:
+                a = pfeas[alive]
+            else:  # constrained EI on the log ratio
+                z = (mc - math.log(best.ratio)) / sc
+                a = (pfeas * sc * (z * ndtr(z) + np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)))[alive]
             c = int(np.flatnonzero(alive)[int(np.argmax(a))])
             pt = self._eval(c)
             alive[c] = False
+            order.prune(c, pt.quality >= cfg.quality_threshold, alive)
             if lam < 0.1:  # exploiting: bi-directional pruning on the predicted ratio
                 if pt.quality >= cfg.quality_threshold:
                     alive &= ~(cr < pt.ratio * (1 - cfg.prune_eps))
@@ -343,6 +373,35 @@ class Profiler:
         save_profiles(path, res.pareto, workload=workload, quality_threshold=self.cfg.quality_threshold,
                       evaluated=len(self.points), written=time.strftime("%Y-%m-%dT%H:%M:%S"), **info)
         return res.pareto
+
+
+class _OrderPruning:
+    """Exact pruning from the space's declared orders: with q monotone along every ``monotone`` dimension (and
+    blind to ``lossless`` ones) and the ratio anti-monotone along them for a fixed codec, an infeasible point
+    proves every configuration below it in quality order infeasible, and a feasible one proves every same-codec
+    configuration above it no better in ratio. Configurations must agree on every other dimension."""
+
+    def __init__(self, space: SearchSpace, configs: Sequence[dict[str, Any]]) -> None:
+        mono = [d for d in space.dims if d.monotone]
+        same = [d.name for d in space.dims if not d.monotone and not d.lossless]
+        lossless = [d.name for d in space.dims if d.lossless]
+        self.order = np.asarray([[c[d.name] * d.monotone for d in mono] for c in configs], float).reshape(
+            len(configs), len(mono))
+        self.same = _ids([tuple(c[k] for k in same) for c in configs])
+        self.codec = _ids([tuple(c[k] for k in lossless) for c in configs])
+
+    def prune(self, c: int, feasible: bool, alive: np.ndarray) -> None:
+        """Clear in ``alive`` the configurations that evaluated point ``c`` rules out."""
+        like = self.same == self.same[c]
+        if feasible:
+            alive &= ~(like & (self.codec == self.codec[c]) & (self.order >= self.order[c]).all(1))
+        else:
+            alive &= ~(like & (self.order <= self.order[c]).all(1))
+
+
+def _ids(keys: list[tuple]) -> np.ndarray:
+    index: dict[tuple, int] = {}
+    return np.asarray([index.setdefault(k, len(index)) for k in keys])
 
 
 def _canonical(spec: str) -> str:

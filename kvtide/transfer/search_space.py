@@ -4,8 +4,10 @@ Dimensions: transform (none, CacheGen delta, QuaRot Hadamard on K and V or on K 
 per-channel power-of-two key scaling), quantizer family (per-token uniform, KIVI, front-to-back layer bands,
 MixHQ per-head and MixLQ per-layer allocation from measured head scores), base bit width, group size, residual
 outlier key channels kept in BF16, and codec. The default is 6 x 5 x 4 x 2 x 3 x 3 = 2160 pipelines, of which
-720 differ in decoded values (codecs are exact). ``stratified_subset`` draws a seeded subset with every
-(transform, quantizer) pair equally represented, small enough to enumerate as ground truth.
+720 differ in decoded values (codecs are exact: ``lossless``). Bits and outlier channels raise quality and lower
+the ratio, larger groups the reverse (``monotone``); the profiler's order pruning relies on both.
+``stratified_subset`` draws a seeded subset with every (transform, quantizer) pair equally represented, small
+enough to enumerate as ground truth.
 """
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ def wide_space(transforms: Sequence[str] = TRANSFORMS, quants: Sequence[str] = Q
                outliers: Sequence[int] = (0, 2, 4), codecs: Sequence[str] = ("pack", "zstd", "ans")) -> SearchSpace:
     """Product of the dimensions above (default 2160 configurations); narrower lists give smaller spaces."""
     return SearchSpace([Dimension("transform", tuple(transforms)), Dimension("quant", tuple(quants)),
-                        Dimension("bits", tuple(bits), numeric=True), Dimension("group", tuple(groups), numeric=True),
-                        Dimension("outliers", tuple(outliers), numeric=True), Dimension("codec", tuple(codecs))],
-                       render)
+                        Dimension("bits", tuple(bits), numeric=True, monotone=1),
+                        Dimension("group", tuple(groups), numeric=True, monotone=-1),
+                        Dimension("outliers", tuple(outliers), numeric=True, monotone=1),
+                        Dimension("codec", tuple(codecs), lossless=True)], render)
 
 
 def stratified_subset(space: SearchSpace, n: int, by: Sequence[str] = ("transform", "quant"),

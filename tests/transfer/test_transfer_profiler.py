@@ -1,18 +1,20 @@
 import json
 import math
 
+import numpy as np
 import pytest
 
-from kvtide.transfer.profiler import Dimension, Profiler, ProfilerConfig, SearchSpace, measure, pipeline_space
+from kvtide.transfer.profiler import (Dimension, Profiler, ProfilerConfig, SearchSpace, _OrderPruning, measure,
+                                      pipeline_space)
 from kvtide.transfer.table import load_profiles
 
 
 def synthetic():
     """Smooth, mostly monotone CR/quality landscape like real pipelines: fewer bits -> higher CR, lower quality."""
     space = SearchSpace([Dimension("transform", ("none", "delta", "hadamard")),
-                         Dimension("bits", (2, 3, 4, 5, 6, 8), numeric=True),
-                         Dimension("group", (16, 32, 64, 128), numeric=True),
-                         Dimension("codec", ("pack", "zstd", "ans"))],
+                         Dimension("bits", (2, 3, 4, 5, 6, 8), numeric=True, monotone=1),
+                         Dimension("group", (16, 32, 64, 128), numeric=True, monotone=-1),
+                         Dimension("codec", ("pack", "zstd", "ans"), lossless=True)],
                         lambda c: f"{c['transform']}|uniform:k={c['bits']},v={c['bits']},g={c['group']}|{c['codec']}")
     tq = {"none": 0.0, "delta": -0.004, "hadamard": 0.012}
     cg = {"pack": 1.0, "zstd": 1.12, "ans": 1.2}
@@ -86,6 +88,43 @@ def test_config_validation():
         ProfilerConfig(0.9, mode="grid")
     with pytest.raises(ValueError):
         Dimension("x", ())
+    with pytest.raises(ValueError, match="monotone needs a numeric"):
+        Dimension("codec", ("a", "b"), monotone=1)
+    with pytest.raises(ValueError, match="monotone must be"):
+        Dimension("bits", (2, 4), numeric=True, monotone=2)
+    with pytest.raises(ValueError, match="lossless"):
+        Dimension("bits", (2, 4), numeric=True, monotone=1, lossless=True)
+
+
+def test_order_pruning_only_discards_points_that_cannot_beat_the_evaluated_one():
+    """On a space whose declared orders hold, every point pruned after evaluating c is infeasible (c infeasible)
+    or no higher in ratio than c (c feasible): the optimum survives unless c ties it."""
+    space, ev, _ = synthetic()
+    configs = space.configs()
+    rows = [ev(space.render(c)) for c in configs]
+    thr = 0.97
+    order = _OrderPruning(space, configs)
+    pruned_any = {True: 0, False: 0}
+    for c, (ratio, _, _, q) in enumerate(rows):
+        alive = np.ones(len(configs), bool)
+        order.prune(c, q >= thr, alive)
+        gone = np.flatnonzero(~alive)
+        assert c in gone
+        for j in gone:
+            if q >= thr:
+                assert rows[j][0] <= ratio, (configs[c], configs[j])
+            else:
+                assert rows[j][3] < thr, (configs[c], configs[j])
+        pruned_any[bool(q >= thr)] += len(gone) > 1
+    assert pruned_any[True] and pruned_any[False]  # both directions fire on this space
+
+
+def test_order_pruning_without_declared_orders_keeps_other_configurations():
+    space = SearchSpace([Dimension("bits", (2, 3, 4), numeric=True), Dimension("codec", ("pack", "ans"))],
+                        lambda c: f"none|uniform:k={c['bits']},v={c['bits']}|{c['codec']}")
+    alive = np.ones(6, bool)
+    _OrderPruning(space, space.configs()).prune(2, False, alive)
+    assert alive.sum() == 5 and not alive[2]
 
 
 def test_bo_warm_start_evaluates_given_specs_first():
