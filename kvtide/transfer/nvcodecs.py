@@ -27,7 +27,6 @@ with a valid checksum should be decoded with the CPU formats (nvzstd, nvlz4) or 
 """
 from __future__ import annotations
 
-import logging
 import struct
 import threading
 from dataclasses import dataclass
@@ -37,13 +36,14 @@ import numpy as np
 import torch
 
 from ..extras import MissingExtra, require
+from ..log import get_logger
 from . import bounded
 from .codecs import Codec, _expect, _upload, expected_nbytes, unwire, wire_bytes
 from .errors import ContainerError
 from .stage import Stream, register
 
 NVCOMP_PACKAGE = "nvidia-nvcomp-cu13"
-log = logging.getLogger("kvtide.transfer")
+log = get_logger("transfer")
 _local = threading.local()  # nvCOMP Codec objects are not thread-safe: one per thread, algorithm and device
 
 
