@@ -81,7 +81,7 @@ def _codec(algorithm: str, kind: str, device: torch.device) -> Any:
 
 
 class _NvCodec(Codec):
-    """One nvCOMP call per stream on its device; ``_cpu_encode`` / ``_cpu_decode`` are the same format on the host."""
+    """nvCOMP on the stream's device; ``_cpu_encode`` / ``_cpu_decode`` are the same format on the host."""
 
     device_encode: ClassVar[bool] = True
     algorithm: ClassVar[str]
@@ -118,23 +118,23 @@ class _NvCodec(Codec):
         raise self._missing("encoder without a GPU")
 
     # --- decode -------------------------------------------------------------------------------------------
-    def _check_declared(self, data: bytes, size: int) -> None:
-        """Refuse a stream whose declared size is not ``size`` (before anything is allocated)."""
+    def _check_declared(self, data: bytes, size: int) -> Any:
+        """Refuse a stream whose declared size is not ``size`` (before anything is allocated); what the check
+        parsed (the chunk spans of a chunked codec) goes on to the decoder, so a stream is parsed once."""
 
     def decode(self, data, dtype, shape, bits, bf16):
         size = expected_nbytes(dtype, shape, bits)
         if size == 0:
             _expect(data, 0, self.name)
             return np.zeros(shape, dtype)
-        self._check_declared(data, size)
-        if not self.cpu_format and gpu_ready("cuda"):
+        if not self.cpu_format and gpu_ready("cuda"):  # decode_tensor checks the declared sizes
             t = self.decode_tensor(data, dtype, shape, bits, bf16, "cuda").cpu()
             return t.numpy().view(dtype).reshape(shape)
-        raw = self._cpu_decode(data, size)
+        raw = self._cpu_decode(data, size, self._check_declared(data, size))
         return unwire(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dtype, shape, bits).numpy().view(
             dtype).reshape(shape)
 
-    def _cpu_decode(self, data: bytes, size: int) -> bytes:
+    def _cpu_decode(self, data: bytes, size: int, checked: Any) -> bytes:
         raise self._missing("decoder without a GPU")
 
     def decode_tensor(self, data, dtype, shape, bits, bf16, device):
@@ -145,11 +145,10 @@ class _NvCodec(Codec):
         if size == 0:
             _expect(data, 0, self.name)
             return unwire(torch.zeros(0, dtype=torch.uint8, device=device), dtype, shape, bits)
-        self._check_declared(data, size)
-        return unwire(self._gpu_raw(data, size, device), dtype, shape, bits)
+        return unwire(self._gpu_raw(data, size, device, self._check_declared(data, size)), dtype, shape, bits)
 
-    def _gpu_raw(self, data: Any, size: int, device: torch.device) -> torch.Tensor:
-        """The stream's ``size`` wire bytes, decoded on ``device`` (its declared sizes already checked)."""
+    def _gpu_raw(self, data: Any, size: int, device: torch.device, checked: Any) -> torch.Tensor:
+        """The stream's ``size`` wire bytes, decoded on ``device`` (``checked``: what ``_check_declared`` found)."""
         nvcomp = nvcomp_module()
         src = _upload(data, device)
         out = torch.empty(size, dtype=torch.uint8, device=device)
@@ -253,7 +252,8 @@ def _batch(algorithm: str, kind: str, device: torch.device, srcs: list[torch.Ten
 
 
 class _ChunkedNvCodec(_NvCodec):
-    """A stream in chunks of ``chunk`` bytes, coded as one nvCOMP batch; each chunk a u32 length and its bytes."""
+    """A stream in chunks of ``chunk`` bytes, coded as one nvCOMP batch; each chunk behind its 16-byte head and
+    padded to a multiple of 16 (``chunk_spans``)."""
 
     chunk: ClassVar[int]
 
@@ -261,7 +261,7 @@ class _ChunkedNvCodec(_NvCodec):
         raise NotImplementedError
 
     def _check_declared(self, data, size):
-        self._spans(data, size)
+        return self._spans(data, size)
 
     def _spans(self, data: Any, size: int) -> list[tuple[int, int]]:
         return chunk_spans(data, size, self.chunk, self._declared, self.name)
@@ -270,8 +270,7 @@ class _ChunkedNvCodec(_NvCodec):
         parts = [raw[i: i + self.chunk] for i in range(0, raw.numel(), self.chunk)]
         return _framed(_batch(self.algorithm, self.kind, raw.device, parts, decode=False))
 
-    def _gpu_raw(self, data: Any, size: int, device: torch.device) -> torch.Tensor:
-        spans = self._spans(data, size)
+    def _gpu_raw(self, data: Any, size: int, device: torch.device, spans: Any) -> torch.Tensor:
         src = _upload(data, device)
         try:
             outs = _batch(self.algorithm, self.kind, device, [src[o: o + k] for o, k in spans], decode=True)
@@ -305,10 +304,10 @@ class NvZstd(_ChunkedNvCodec):
         except zstandard.ZstdError as e:
             raise ContainerError(f"nvzstd: bad frame header: {e}") from e
 
-    def _cpu_decode(self, data, size):
+    def _cpu_decode(self, data, size, spans):
         buf = memoryview(data).cast("B")
         return b"".join(bounded.zstd(buf[o: o + k], min(self.chunk, size - i * self.chunk))
-                        for i, (o, k) in enumerate(self._spans(data, size)))
+                        for i, (o, k) in enumerate(spans))
 
 
 @register(Codec)
@@ -325,7 +324,7 @@ class NvLz4(_NvCodec):
         if len(data) > 1 + size + size // 255 + 16:  # more than an LZ4 block of ``size`` bytes can take
             raise ContainerError(f"nvlz4: {len(data)} coded bytes for {size} bytes")
 
-    def _cpu_decode(self, data, size):
+    def _cpu_decode(self, data, size, checked):
         lz4_block = require("lz4.block", "transfer", "the nvlz4 codec on the CPU")
         try:
             out = lz4_block.decompress(data, uncompressed_size=size)
@@ -338,7 +337,7 @@ class NvLz4(_NvCodec):
 
 def ans_chunks(data: Any, size: int) -> list[tuple[int, int]]:
     """(offset, length) of each coded chunk of an nvans stream of ``size`` bytes, after checking every declared
-    size: ceil(size / ANS_CHUNK) chunks, each a u32 length then nvCOMP bytes that start with their u64 size."""
+    size: ceil(size / ANS_CHUNK) chunks in ``chunk_spans``' framing, whose nvCOMP bytes start with their u64 size."""
     def declared(b: memoryview) -> int:
         if len(b) < _U64.size:
             raise ContainerError(f"nvans: chunk of {len(b)} bytes has no size header")
@@ -368,9 +367,9 @@ class NvAns(_ChunkedNvCodec):
         if size == 0:
             _expect(data, 0, self.name)
             return unwire(torch.zeros(0, dtype=torch.uint8, device=device), dtype, shape, bits)
-        self._check_declared(data, size)
+        spans = self._check_declared(data, size)
         if not gpu_ready(device):
             if not gpu_ready("cuda"):
                 raise self._missing("decoder without a GPU")
-            return unwire(self._gpu_raw(data, size, torch.device("cuda")), dtype, shape, bits).to(device)
-        return unwire(self._gpu_raw(data, size, device), dtype, shape, bits)
+            return unwire(self._gpu_raw(data, size, torch.device("cuda"), spans), dtype, shape, bits).to(device)
+        return unwire(self._gpu_raw(data, size, device, spans), dtype, shape, bits)
