@@ -54,7 +54,7 @@ from kvtide.transfer.baselines import BF16, CACHEGEN, KIVI_2BIT  # noqa: E402
 from kvtide.transfer.controller import Profile  # noqa: E402
 from kvtide.transfer.online import OnlineConfig, OnlineController  # noqa: E402
 from kvtide.transfer.pipeline import Pipeline  # noqa: E402
-from kvtide.transfer.policy import measured_lossless, spec_of, table_profiles  # noqa: E402
+from kvtide.transfer.policy import measured_lossless, packaged_table, spec_of, table_profiles  # noqa: E402
 from kvtide.transfer.transport.pacing import GoodputMeter  # noqa: E402
 
 KV_8B = 32 * 2 * 8 * 128 * 2  # bytes of BF16 KV per token, Llama-3.1-8B
@@ -151,8 +151,9 @@ class Cluster:
 class Prompts:
     """Token-id prompts of the requested lengths; ``fresh(i, k)`` prefixes a distinct header so no cache holds it."""
 
-    def __init__(self, tok: Any, lengths: list[int], seed: int = 0):
+    def __init__(self, tok: Any, lengths: list[int], vocab_size: int, seed: int = 0):
         self.rng = random.Random(seed)
+        self.vocab = vocab_size
         base = tok.encode(TEXT * 400) if tok is not None else []
         self.bodies = []
         for n in lengths:
@@ -160,12 +161,12 @@ class Prompts:
                 start = self.rng.randrange(0, len(base) - n + 1)
                 self.bodies.append(base[start:start + n])
             else:  # a random-weight model: any token ids
-                self.bodies.append([self.rng.randrange(100, 30000) for _ in range(n)])
+                self.bodies.append([self.rng.randrange(min(100, vocab_size // 2), vocab_size) for _ in range(n)])
         self.count = 0
 
     def fresh(self, i: int) -> list[int]:
         self.count += 1
-        head = [1000 + self.count % 20000, 2000 + self.count // 20000]
+        head = [(1000 + self.count) % self.vocab, (2000 + self.count // self.vocab) % self.vocab]
         body = self.bodies[i % len(self.bodies)]
         return head + body[len(head):]
 
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="requests per (method, bandwidth, length)")
     ap.add_argument("--min-quality", type=float, default=0.97)
     ap.add_argument("--profiles", type=Path, default=None,
-                    help="KVServe table (default bench/results/kvserve_table_<model>_prose.json)")
+                    help="KVServe table (default: on CUDA the packaged GPU-measured one, else bench/results/kvserve_table_<model>_prose.json)")
     ap.add_argument("--trace-requests", type=int, default=30, help="requests of the drifting-bandwidth run (0: off)")
     ap.add_argument("--store-bytes", type=int, default=4 << 30, help="each instance's in-memory KV tier")
     ap.add_argument("--start-timeout", type=float, default=600.0)
@@ -469,13 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     a.bandwidths = [float(x) for x in a.bandwidths.split(",")]
     lengths = [int(x) for x in a.prompt_tokens.split(",")]
     table_model = a.model if not a.model.startswith("random:") else "smollm2-135m"
-    a.profiles = a.profiles or RESULTS_DIR / f"kvserve_table_{table_model}_prose.json"
+    gpu_table = packaged_table(table_model, a.device) if a.device.startswith("cuda") else None
+    a.profiles = a.profiles or gpu_table or RESULTS_DIR / f"kvserve_table_{table_model}_prose.json"
     out = a.out or RESULTS_DIR / f"pd_{a.model.replace(':', '-')}_{'cuda' if a.device.startswith('cuda') else 'cpu'}.json"
     args, tok = model_args(a.model)
     kv_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * 2
     volume = float(kv_per_token * statistics.fmean(lengths))
-    profiles = table_profiles(str(a.profiles)) + measured_lossless((256, args.num_kv_heads, args.head_dim))
-    prompts = Prompts(tok, lengths, a.seed)
+    profiles = table_profiles(str(a.profiles), a.device) + measured_lossless((256, args.num_kv_heads, args.head_dim))
+    prompts = Prompts(tok, lengths, args.vocab_size, a.seed)
     import tempfile
 
     logdir = Path(tempfile.mkdtemp(prefix="kvtide-pd-"))  # the two servers' logs (not results)

@@ -84,7 +84,7 @@ class PrefillRole(KVRole):
         table = cfg.kv_profiles or packaged_table(engine.config.model, engine.config.torch_device)
         profiles = measured_lossless((256, self.kv_heads, self.head_dim))
         if table:
-            profiles = table_profiles(str(table)) + profiles
+            profiles = table_profiles(str(table), engine.config.torch_device) + profiles
         self.policy = TransferPolicy(profiles, gbps(cfg.kv_bandwidth_guess_gbps))
         self._staging: list[LocalBuffer] = []
         self._lock = threading.Lock()

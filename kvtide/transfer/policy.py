@@ -21,14 +21,18 @@ from pathlib import Path
 
 import torch
 
+from ..log import get_logger
 from .baselines import BF16 as BF16_SPEC, ZIPFUSION
 from .controller import BF16, Profile
 from .handoff import SendResult
+from .nvcodecs import gpu_ready
 from .online import Decision, OnlineConfig, OnlineController
 from .pipeline import Pipeline
 from .profiler import measure
 from .table import load_profiles
 from .transport.pacing import GoodputMeter
+
+log = get_logger("transfer")
 
 # lossless pipelines that give identical tokens: BF16 as is, byte-plane zstd, the ZipFusion format
 LOSSLESS_SPECS = ("none|none|zstd", ZIPFUSION)
@@ -75,12 +79,22 @@ def packaged_table(model: str, device: str | torch.device = "cpu") -> Path | Non
     return next((data / n for n in names if (data / n).exists()), None)
 
 
-def table_profiles(path: str) -> list[Profile]:
-    """A KVServe table's profiles plus the lossless ones it lacks (those are what lossless requests may use)."""
+def runnable(spec: str, device: str | torch.device) -> bool:
+    """Whether this instance can encode ``spec``: a codec with no host implementation (nvCOMP's ANS) needs a CUDA
+    device with nvCOMP."""
+    codec = Pipeline(spec).codec
+    return getattr(codec, "cpu_format", True) or gpu_ready(device)
+
+
+def table_profiles(path: str, device: str | torch.device = "cpu") -> list[Profile]:
+    """A KVServe table's profiles that ``device`` can encode (a GPU table read by a CPU instance loses its
+    GPU-only codecs, logged); a spec this build cannot parse is an error now, not at the first transfer."""
     profiles = [p for p in load_profiles(path) if p.name != BF16.name]
-    for p in profiles:
-        Pipeline(p.name)  # a spec this build cannot run is an error now, not at the first transfer
-    return profiles
+    kept = [p for p in profiles if runnable(p.name, device)]
+    if len(kept) < len(profiles):
+        log.warning("%s: %d profile(s) need a CUDA device with nvCOMP and are left out here: %s", path,
+                    len(profiles) - len(kept), sorted({p.name for p in profiles} - {p.name for p in kept}))
+    return kept
 
 
 @dataclass

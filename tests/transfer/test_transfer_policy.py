@@ -83,3 +83,17 @@ def test_packaged_table_prefers_the_gpu_rates_on_cuda():
     assert cpu.name == "profiles_smollm2-135m.json" and gpu.name == "profiles_smollm2-135m_gpu.json"
     assert "H200" in json.loads(gpu.read_text())["info"]["throughput"]
     assert packaged_table("no-such-model", "cuda") is None
+
+
+def test_a_gpu_table_read_without_a_gpu_leaves_out_its_gpu_only_codecs(monkeypatch):
+    """nvCOMP's ANS has no host coder: a CPU instance given the GPU table must not choose it (every hand-off
+    would fail to encode and be recomputed); the nvzstd profiles stay (their format has a host coder)."""
+    import kvtide.transfer.policy as policy
+    from kvtide.transfer.policy import packaged_table, table_profiles
+    path = str(packaged_table("smollm2-135m", "cuda"))
+    names = {p.name for p in table_profiles(path, "cpu")}
+    assert names and not any(n.endswith("|nvans") for n in names)
+    assert any(n.endswith("|nvzstd") for n in names)
+    monkeypatch.setattr(policy, "gpu_ready", lambda device: True)  # a CUDA device with nvCOMP keeps them all
+    every = {p.name for p in table_profiles(path, "cuda")}
+    assert names < every and any(n.endswith("|nvans") for n in every)
