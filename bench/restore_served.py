@@ -198,6 +198,26 @@ def draw(doc: dict, plt):
     return fig
 
 
+def write(a: argparse.Namespace, argv: list[str] | None, per_token: float, rows: list[dict]) -> dict:
+    """The JSON and PNG of the reps so far; returns their summary."""
+    gpu = a.device.startswith("cuda")
+    s = summarize(rows)
+    random_w = a.model.startswith("random:")
+    doc = {"meta": {"title": f"{a.model} ({'RANDOM weights' if random_w else 'real weights'}) on {a.device}: "
+                             f"{a.decoders} decoders, {a.restorers} restorers x {a.prefix}, {a.gbps:.3g} Gbps",
+                    "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads(),
+                    "gpu": torch.cuda.get_device_name() if gpu else None, "model": a.model, "random_weights": random_w,
+                    "kv_dtype": "bfloat16", "codec": a.codec, "link_gbps": a.gbps,
+                    "link": ("unscaled" if gpu or "--gbps" in (argv or sys.argv) else
+                             f"scaled: load/recompute time per token = {a.link_ratio}"),
+                    "recompute_s_per_token": per_token, "args": vars(a)},
+           "summary": s, "rows": rows}
+    tag = f"{a.model.replace(':', '_')}_{a.device.split(':')[0]}{'_' + a.codec if a.codec else ''}"
+    report.write(Path(a.out_dir) / f"restore_served_{tag}.json", doc, draw, argv)
+    return s
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -255,23 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"  rep {rep} {kind:11s} TPOT p50 {row['tpot_p50_s'] * 1e3:7.1f} ms p99 "
                   f"{row['tpot_p99_s'] * 1e3:7.1f} ms  TTFT {row['ttft_median_s'] or float('nan'):.3f} s")
-    s = summarize(rows)
+        s = write(a, argv, per_token, rows)  # after every rep: a run cut short keeps its finished reps
     for k in ("blocking", "interleaved"):
         print(f"{k}: TPOT p99 {s[k]['tpot_p99_vs_decode']:.2f}x decode alone, TTFT {s[k]['ttft_vs_isolated']:.2f}x "
               "isolated")
-    random_w = a.model.startswith("random:")
-    doc = {"meta": {"title": f"{a.model} ({'RANDOM weights' if random_w else 'real weights'}) on {a.device}: "
-                             f"{a.decoders} decoders, {a.restorers} restorers x {a.prefix}, {a.gbps:.3g} Gbps",
-                    "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads(),
-                    "gpu": torch.cuda.get_device_name() if gpu else None, "model": a.model, "random_weights": random_w,
-                    "kv_dtype": "bfloat16", "codec": a.codec, "link_gbps": a.gbps,
-                    "link": ("unscaled" if gpu or "--gbps" in (argv or sys.argv) else
-                             f"scaled: load/recompute time per token = {a.link_ratio}"),
-                    "recompute_s_per_token": per_token, "args": vars(a)},
-           "summary": s, "rows": rows}
-    tag = f"{a.model.replace(':', '_')}_{a.device.split(':')[0]}{'_' + a.codec if a.codec else ''}"
-    report.write(Path(a.out_dir) / f"restore_served_{tag}.json", doc, draw, argv)
     return 0
 
 

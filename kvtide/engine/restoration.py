@@ -210,12 +210,7 @@ class Restorer:
         self._spill: OrderedDict[bytes, _SpillChunk] = OrderedDict()  # page hash -> unwritten chunk it belongs to
         self._flight: _Flight | None = None  # the restoration in flight (one at a time)
         self._not_held: set[int] = set()  # ids of waiting sequences looked up during the flight, not restorable
-        # recent engine steps' seconds with no restoration work in them (the interleaving budget's base); on CUDA
-        # a step's host time also holds the restoration quanta queued before it, so those steps would feed the
-        # budget back into itself (budget f x (d + budget): the steps settle at 2x, not 1 + f)
-        self._step_times: deque[float] = deque(maxlen=8)
-        self._mixed_times: deque[float] = deque(maxlen=8)  # steps that ran beside restoration quanta
-        self._advanced = False  # restoration quanta ran since the last observed step
+        self._step_times: deque[float] = deque(maxlen=8)  # recent engine steps' seconds (the interleaving budget)
         if cfg.spill:
             engine.block_manager.on_release = self.on_release
             engine.block_manager.on_evict = self.on_evict
@@ -289,8 +284,7 @@ class Restorer:
         """F(t) from the prefills the engine runs anyway: one sequence, from position 0, t tokens, L blocks; and
         the step's time, which sets the budget of a restoration interleaved with steps (``step_budget``)."""
         if batch and seconds > 0:
-            (self._mixed_times if self._advanced else self._step_times).append(seconds)
-        self._advanced = False
+            self._step_times.append(seconds)
         if len(batch) == 1:
             seq, n = batch[0]
             if seq.num_computed_tokens == n and n > 1 and seconds > 0:  # the engine has booked the step
@@ -514,7 +508,6 @@ class Restorer:
         else:
             self._hold()
         f = self._flight
-        self._advanced = True
         try:
             done = f.run.advance(self.step_budget())
         except Exception:  # noqa: BLE001 - a bug here must cost a recompute, not the requests
@@ -572,15 +565,14 @@ class Restorer:
 
     def step_budget(self) -> float:
         """Seconds of restoration work this step: all of it when nothing else runs (or ``step_fraction`` is None:
-        the blocking restoration), else ``step_fraction`` of the median recent engine step that ran no restoration
-        work (steps beside quanta only before one is measured; 0 before any: one quantum a step)."""
+        the blocking restoration), else ``step_fraction`` of the median recent engine step (0 before one is
+        measured: one quantum a step)."""
         frac = self.cfg.step_fraction
         if frac is None or not self.engine.scheduler.running:
             return math.inf
-        times = self._step_times or self._mixed_times
-        if not times:
+        if not self._step_times:
             return 0.0
-        return frac * float(np.median(times))
+        return frac * float(np.median(self._step_times))
 
     def compute_share(self) -> float:
         """The part of the wall clock a restoration started now gets for its compute: 1 alone, else
