@@ -93,7 +93,8 @@ class Cluster:
         for port, url, log, role in zip(self.ports, self.urls, self.logs, roles):
             cmd = [sys.executable, "-m", "kvtide.cli", "serve", *common, "--port", str(port), "--advertise-url", url,
                    *role]
-            env = {"KVTIDE_SERVER_LOG_STATS_INTERVAL_S": "0", "KVTIDE_RESTORE_MEMORY_BYTES": str(a.store_bytes)}
+            env = {"KVTIDE_SERVER_LOG_STATS_INTERVAL_S": "0", "KVTIDE_RESTORE_MEMORY_BYTES": str(a.store_bytes),
+                   "KVTIDE_RESTORE_STORE": a.store}
             self.procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                                env={**os.environ, **env}))
         for p, u, log in zip(self.procs, self.urls, self.logs):
@@ -145,7 +146,16 @@ class Cluster:
                 "decompress": kv["decode_seconds"], "handoff": kv["seconds"], "decode": decode_leg - kv["seconds"],
                 "profile": kv["profile"], "quality": kv["quality"], "wire_bytes": kv["wire_bytes"],
                 "raw_bytes": kv["raw_bytes"], "ratio": kv["raw_bytes"] / max(1, kv["wire_bytes"]),
-                "tokens": len(prompt)}
+                "tokens": len(prompt), "restore": kv.get("restore")}
+
+
+def restore_note(r: dict[str, Any]) -> str:
+    """Where the decode leg's restoration went (it loads the handed-off KV from the decode side's tier)."""
+    x = r.get("restore")
+    if not x:
+        return ""
+    return (f" = restore {x['total_s']:.3f} [load {x['load_s']:.3f}, recompute {x['recompute_s']:.3f}, "
+            f"wait {x['wait_s']:.3f}] + the rest")
 
 
 class Prompts:
@@ -232,8 +242,8 @@ def bandwidth_table(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, m
                     r = cluster.run(prompts.fresh(k), methods[name])
                     rows.append({"gbps": g, "emulated_gbps": g * factor, "method": name, "rep": rep, **r})
                     print(f"{g:6.1f} Gbps  {name:11s} rep {rep} len {r['tokens']:5d}: JCT {r['jct']:.3f} s "
-                          f"(prefill {r['prefill']:.3f}, hand-off {r['handoff']:.3f}, decode {r['decode']:.3f}) "
-                          f"{r['profile']} x{r['ratio']:.2f}", flush=True)
+                          f"(prefill {r['prefill']:.3f}, hand-off {r['handoff']:.3f}, decode {r['decode']:.3f}"
+                          f"{restore_note(r)}) {r['profile']} x{r['ratio']:.2f}", flush=True)
     return rows
 
 
@@ -443,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="KVServe table (default: on CUDA the packaged GPU-measured one, else bench/results/kvserve_table_<model>_prose.json)")
     ap.add_argument("--trace-requests", type=int, default=30, help="requests of the drifting-bandwidth run (0: off)")
     ap.add_argument("--store-bytes", type=int, default=4 << 30, help="each instance's in-memory KV tier")
+    ap.add_argument("--store", choices=("memory", "pinned"), default=None,
+                    help="that tier's kind (default: pinned on CUDA, whose loads then run as DMA; memory on the CPU)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -450,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="tc: a shaped loopback in a namespace of its own; pace: the sender's token bucket; "
                          "auto: tc where network namespaces work, else pace")
     a = ap.parse_args(argv)
+    if a.store is None:
+        a.store = "pinned" if a.device.startswith("cuda") else "memory"
     if a.link != "pace" and not os.environ.get(NETNS_ENV):
         from kvtide.benchmarks.netns import netns_available
 

@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import queue
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from ..transfer.pipeline import Pipeline
 from ..transfer.policy import (PolicyKeyError, TransferPolicy, check_policy_key, measured_lossless, packaged_table,
                                table_profiles)
 from ..transfer.transport.base import LocalBuffer, RemoteBuffer, Transport, TransportError
+from ..transfer.transport.pool import BufferPool
 from .config import ServerConfig
 from .pd_metrics import TransferMetrics
 from .protocol import APIError, bad
@@ -63,14 +63,37 @@ class KVRole:
         self.kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
         self.chunk = r.chunk
         self.space = r.keyspace.root.hex()
+        # registered staging (prefill) or receive (decode) buffers kept between hand-offs
+        self.buffers = BufferPool(transport, max_buffers=4, max_bytes=cfg.kv_transfer_max_bytes)
 
     async def aclose(self) -> None:
         """The end of serving: the transport closes (a decode role also closes its HTTP client)."""
+        self.buffers.close()
         self.transport.close()
 
     def cached_span(self, ids: list[int]) -> int:
         """Prompt tokens a hand-off covers: whole chunks, leaving at least one token for the decode side's logits."""
         return (len(ids) - 1) // self.chunk * self.chunk
+
+    def restoration(self, request_ids: list[str]) -> dict[str, Any] | None:
+        """Timings of the restoration that loaded a request's prompt KV (None: none on record)."""
+        ids = set(request_ids)
+        for _ in range(3):  # the engine thread appends meanwhile: a copy can meet a mutation
+            try:
+                recs = list(self.restorer.history)
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        rec = next((r for r in reversed(recs) if ids.intersection(r.request_ids)), None)
+        if rec is None:
+            return None
+        return {"method": rec.method, "requests": len(rec.request_ids), "total_s": rec.total_seconds,
+                "planning_s": rec.planning_seconds, "load_s": rec.load_seconds, "recompute_s": rec.recompute_seconds,
+                "wait_s": rec.wait_seconds, "suffix_s": rec.suffix_seconds, "load_bytes": rec.load_bytes,
+                "predicted_s": rec.predicted_seconds, "paused_s": rec.paused_seconds, "advances": rec.advances,
+                "fallback_tokens": rec.fallback_tokens}
 
     def raw_layer_bytes(self, tokens: int) -> int:
         return 2 * tokens * self.kv_heads * self.head_dim * 2  # K and V in BF16
@@ -86,26 +109,10 @@ class PrefillRole(KVRole):
         if table:
             profiles = table_profiles(str(table), engine.config.torch_device) + profiles
         self.policy = TransferPolicy(profiles, gbps(cfg.kv_bandwidth_guess_gbps))
-        self._staging: list[LocalBuffer] = []
-        self._lock = threading.Lock()
 
     def params(self, url: str) -> dict[str, Any]:
         """The prefill leg's ``kv_transfer_params``: where the decode side pulls from."""
         return {"remote_url": url, "remote_session": self.transport.session, "key_space": self.space}
-
-    def _take_staging(self, nbytes: int) -> LocalBuffer:
-        with self._lock:
-            for i, b in enumerate(self._staging):
-                if b.nbytes >= nbytes:
-                    return self._staging.pop(i)
-        return self.transport.alloc(nbytes)
-
-    def _give_staging(self, buf: LocalBuffer) -> None:
-        with self._lock:
-            self._staging.append(buf)
-            self._staging.sort(key=lambda b: b.nbytes)
-            while len(self._staging) > 4:
-                self._staging.pop(0).free()
 
     def parse_pull(self, body: Any) -> tuple[list[int], RemoteBuffer, float, float | None, str | None, str]:
         if not isinstance(body, dict):
@@ -186,11 +193,16 @@ class PrefillRole(KVRole):
             keys = chunk_keys(ids[:n], self.restorer.keyspace)
             store, C = self.restorer.store, self.chunk
 
-            def read_layer(i: int):
-                import torch
-                return torch.cat([store.get(k, i, ids[k.index * C:(k.index + 1) * C]) for k in keys], dim=1)
+            import torch
+            layer = torch.empty(2, n, self.kv_heads, self.head_dim, dtype=torch.bfloat16)  # one per hand-off
 
-            staging = self._take_staging(layer_capacity(raw_layer))
+            def read_layer(i: int) -> torch.Tensor:  # the encoder is done with the last layer when it asks
+                return torch.cat([store.get(k, i, ids[k.index * C:(k.index + 1) * C]) for k in keys], dim=1,
+                                 out=layer)
+
+            # two buffers: layer i+1 is encoded into one while layer i is written from the other
+            staging = [self.buffers.take(layer_capacity(raw_layer)) for _ in range(2)]
+            sent = False
             try:
                 timeout = max(0.1, deadline - time.monotonic())
                 for item in send_layers(read_layer, self.num_layers, pipe, choice.name,
@@ -200,9 +212,11 @@ class PrefillRole(KVRole):
                     else:
                         self.policy.observe(dst.session, choice, item, key)
                         self.metrics.moved("sent", item.wire_bytes, item.raw_bytes, item.total_s, item.profile)
+                        sent = True
                         yield _line({"done": True, **item.to_dict()})
             finally:
-                self._give_staging(staging)
+                for b in staging:  # after a failed write the transport may still read one: not reused
+                    self.buffers.give(b, settled=sent)
         except HandoffError as e:
             self.metrics.fallback(f"send_{e.reason}")
             log.warning("hand-off to %s not sent (%s): %s", dst.session, e.reason, e)
@@ -260,7 +274,7 @@ class DecodeRole(KVRole):
         if cap > self.cfg.kv_transfer_max_bytes:
             raise HandoffError("too_large", f"{n} tokens need a {cap}-byte receive buffer; "
                                             f"kv_transfer_max_bytes is {self.cfg.kv_transfer_max_bytes}")
-        buf = await asyncio.to_thread(self.transport.alloc, cap)
+        buf = await asyncio.to_thread(self.buffers.take, cap)
         lines: queue.Queue = queue.Queue()
         result: dict[str, Any] = {}
         try:
@@ -302,7 +316,7 @@ class DecodeRole(KVRole):
         finally:
             # after the sender's "done" every write has returned: the buffer can go at once; otherwise a write may
             # still be landing, and the transport holds the memory a while before reusing it
-            await asyncio.to_thread(buf.free, settled=bool(result))
+            await asyncio.to_thread(self.buffers.give, buf, settled=bool(result))
         seconds = time.perf_counter() - t0
         wire = decoded.wire_bytes
         raw = self.raw_layer_bytes(got) * self.num_layers
@@ -330,7 +344,7 @@ class DecodeRole(KVRole):
         def sink(layer: int, kv) -> None:
             for k in keys:
                 lo = k.index * C
-                store.put(k, layer, ids[lo:lo + C], kv[:, lo:lo + C].contiguous())
+                store.put(k, layer, ids[lo:lo + C], kv[:, lo:lo + C])  # the record copies the strided view
 
         try:
             # a GPU engine decodes coded layers with the GPU codecs; raw BF16 goes straight to the host tier

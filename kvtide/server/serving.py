@@ -178,6 +178,9 @@ class Serving:
             body = builder.whole([o.text for o in outs], [o.finish_reason for o in outs], usage)
             if extra:
                 body.update(extra)
+                kv = extra.get("kv_transfer")
+                if isinstance(kv, dict) and kv.get("used") and self.pd is not None:
+                    kv["restore"] = self.pd.restoration(gen.request_ids)  # how the engine put the KV in place
             return JSONResponse(body)
         finally:
             gone.cancel()

@@ -163,8 +163,10 @@ class Codec(Stage):
 
     registry: ClassVar[dict[str, type]] = {}
     device_encode: ClassVar[bool] = False
+    cpu_format: ClassVar[bool] = True  # False: no host coder; its profiles run only where a GPU is
 
-    def encode(self, s: Stream) -> bytes:
+    def encode(self, s: Stream) -> bytes | memoryview:
+        """The coded stream as bytes, or a byte view the container reads while packing this entry."""
         raise NotImplementedError
 
     def encode_device(self, s: Stream) -> torch.Tensor | None:
@@ -173,6 +175,7 @@ class Codec(Stage):
         return None
 
     def decode(self, data: bytes, dtype: np.dtype, shape: tuple[int, ...], bits: int | None, bf16: bool) -> np.ndarray:
+        """The stream as an array that owns its memory (never a view of ``data``, which the caller may reuse)."""
         raise NotImplementedError
 
     def decode_tensor(self, data: bytes, dtype: np.dtype, shape: tuple[int, ...], bits: int | None, bf16: bool,
@@ -201,7 +204,8 @@ class Raw(Codec):
     device_encode: ClassVar[bool] = True
 
     def encode(self, s):
-        return s.host().data.tobytes() if isinstance(s.data, torch.Tensor) else np.ascontiguousarray(s.data).tobytes()
+        # a byte view, not a copy: the container copies it once, into the blob (the stream outlives that call)
+        return memoryview(np.ascontiguousarray(s.host().data).reshape(-1).view(np.uint8))
 
     def encode_device(self, s):
         if not (isinstance(s.data, torch.Tensor) and s.data.is_cuda):

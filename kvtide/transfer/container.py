@@ -18,7 +18,8 @@ stream holds at most as many values as its entry, and all entries together at mo
 checksum, lengths or types disagree, raises ContainerError naming the field.
 
 A stream's payload may be a device tensor (uint8): ``pack`` copies runs of them to the host in one transfer each,
-straight into the blob, which it returns as a bytearray (no further copy). ``unpack`` hands out payloads as
+straight into the blob, which it returns as a bytearray (no further copy); ``pack_into`` writes into a buffer
+the caller owns (a sender's registered staging memory). ``unpack`` hands out payloads as
 zero-copy memoryviews of the blob.
 """
 from __future__ import annotations
@@ -78,26 +79,54 @@ def _nbytes(p: Any) -> int:
     return p.numel() if isinstance(p, torch.Tensor) else len(p)
 
 
-def pack(spec: str, entries: list[Entry]) -> bytearray:
-    payloads = [s.payload for e in entries for s in e.streams]
-    sizes = [_nbytes(p) for p in payloads]
-    for p in payloads:
-        if isinstance(p, torch.Tensor) and p.dtype != torch.uint8:
-            raise TypeError(f"a tensor payload must be uint8, got {p.dtype}")
+def _header(spec: str, entries: list[Entry], sizes: list[int]) -> bytes:
+    it = iter(sizes)
     header = {
         "spec": spec,
         "entries": [
             {"key": e.key, "shape": list(e.shape), "dtype": e.dtype, "meta": e.meta,
              "streams": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "bits": s.bits,
-                          "bf16": s.bf16, "n": _nbytes(s.payload)} for s in e.streams]}
+                          "bf16": s.bf16, "n": next(it)} for s in e.streams]}
             for e in entries
         ],
     }
     hb = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    head = _HEAD.pack(MAGIC, VERSION, 0, len(hb)) + hb
-    out = bytearray(len(head) + sum(sizes) + SUM_BYTES[VERSION])
-    out[:len(head)] = head
-    host = torch.frombuffer(out, dtype=torch.uint8) if any(isinstance(p, torch.Tensor) for p in payloads) else None
+    return _HEAD.pack(MAGIC, VERSION, 0, len(hb)) + hb
+
+
+def _payloads(entries: list[Entry]) -> tuple[list[Any], list[int]]:
+    payloads = [s.payload for e in entries for s in e.streams]
+    for p in payloads:
+        if isinstance(p, torch.Tensor) and p.dtype != torch.uint8:
+            raise TypeError(f"a tensor payload must be uint8, got {p.dtype}")
+    return payloads, [_nbytes(p) for p in payloads]
+
+
+def packed_size(spec: str, entries: list[Entry]) -> int:
+    """Bytes ``pack`` would write for these entries."""
+    _, sizes = _payloads(entries)
+    return len(_header(spec, entries, sizes)) + sum(sizes) + SUM_BYTES[VERSION]
+
+
+def pack(spec: str, entries: list[Entry]) -> bytearray:
+    out = bytearray(packed_size(spec, entries))
+    pack_into(memoryview(out), spec, entries)
+    return out
+
+
+def pack_into(out: Any, spec: str, entries: list[Entry]) -> int:
+    """Write the container into the writable buffer ``out`` (its first bytes); returns its length. ``ValueError``
+    (nothing written) if it does not fit. Payload copies run in torch, which releases the GIL: a sender thread
+    packing megabytes does not hold up the server's other threads."""
+    payloads, sizes = _payloads(entries)
+    head = _header(spec, entries, sizes)
+    total = len(head) + sum(sizes) + SUM_BYTES[VERSION]
+    view = memoryview(out).cast("B")
+    if view.readonly or total > view.nbytes:
+        raise ValueError(f"the container takes {total} bytes; the buffer is "
+                         f"{'read-only' if view.readonly else f'{view.nbytes} bytes'}")
+    view[:len(head)] = head
+    host = torch.frombuffer(view, dtype=torch.uint8, count=total)
     off, i = len(head), 0
     while i < len(payloads):
         p = payloads[i]
@@ -111,11 +140,16 @@ def pack(spec: str, entries: list[Entry]) -> bytearray:
                 host[off:off + n].copy_(run[0] if len(run) == 1 else torch.cat(run))
             off, i = off + n, j
             continue
-        out[off:off + sizes[i]] = p
+        if sizes[i]:
+            src = memoryview(p).cast("B")
+            if src.readonly:  # torch wants a writable buffer to wrap; a small or read-only payload is copied here
+                view[off:off + sizes[i]] = src
+            else:
+                host[off:off + sizes[i]].copy_(torch.frombuffer(src, dtype=torch.uint8))
         off, i = off + sizes[i], i + 1
-    end = len(out) - SUM_BYTES[VERSION]
-    out[end:] = checksum(memoryview(out)[:end])
-    return out
+    end = total - SUM_BYTES[VERSION]
+    view[end:total] = checksum(view[:end])
+    return total
 
 
 def unpack(blob: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> tuple[str, list[Entry]]:

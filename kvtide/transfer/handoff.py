@@ -1,8 +1,8 @@
 """Per-layer KV hand-off over a `Transport`: the sender encodes and writes, the receiver checks and decodes.
 
-A request's KV crosses one layer at a time: the sender encodes layer i+1 (its pipeline) while layer i is on the
-wire, and after each write sends a ``LayerNotice`` (offset, length, digest) on a control stream; the receiver
-decodes each layer as its notice arrives, so compression, transfer and decompression overlap (KVServe's JCT with
+A request's KV crosses one layer at a time: the sender encodes layer i+1 (its pipeline, straight into registered
+staging memory) while layer i is on the wire, and after each write sends a ``LayerNotice`` (offset, length,
+digest) on a control stream; the receiver decodes each layer as its notice arrives, so compression, transfer and decompression overlap (KVServe's JCT with
 the three stages pipelined, not summed). Layers are written back to back into one receive buffer.
 
 The receiver trusts nothing: notices must come in layer order, tile the buffer from offset 0 without gaps or
@@ -17,7 +17,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,31 +108,47 @@ class SendResult:
 
 
 def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipeline: Pipeline, profile: str,
-                transport: Transport, staging: LocalBuffer, dst: RemoteBuffer, *,
+                transport: Transport, staging: Sequence[LocalBuffer], dst: RemoteBuffer, *,
                 timeout_s: float = 30.0) -> Iterator[LayerNotice | SendResult]:
     """Encode ``read_layer(i)`` ([2, tokens, kv_heads, head_dim] BF16) for every layer and write each blob after
-    the previous one in ``dst``; yields a notice per written layer, then the ``SendResult``. Encoding runs one
-    layer ahead on a worker thread. ``staging`` must hold the largest blob (``layer_capacity``)."""
-    q: queue.Queue = queue.Queue(maxsize=2)
+    the previous one in ``dst``; yields a notice per written layer, then the ``SendResult``.
+
+    A worker thread encodes each layer straight into a free ``staging`` buffer (each must hold the largest blob,
+    ``layer_capacity``) while the caller's thread writes the one before it: with two buffers, encoding layer i+1
+    overlaps the wire time of layer i, and no layer's blob is allocated or copied again."""
+    if not staging:
+        raise ValueError("send_layers needs at least one staging buffer")
+    free: queue.Queue = queue.Queue()
+    for b in staging:
+        free.put(b)
+    q: queue.Queue = queue.Queue()
     stop = threading.Event()
+
+    def take_free() -> LocalBuffer | None:
+        while not stop.is_set():
+            try:
+                return free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
 
     def encode() -> None:
         for i in range(num_layers):
-            if stop.is_set():
+            buf = take_free()
+            if buf is None:
                 return
             try:
                 t0 = time.perf_counter()
                 kv = read_layer(i).unsqueeze(0)
-                blob = pipeline.encode(kv)
-                item: Any = (i, blob, kv.numel() * kv.element_size(), time.perf_counter() - t0)
+                try:
+                    n = pipeline.encode_into(kv, buf.array)
+                except ValueError as e:
+                    raise HandoffError("refused", f"layer {i} does not fit the staging buffer "
+                                                  f"({buf.nbytes} bytes): {e}") from None
+                item: Any = (i, buf, n, kv.numel() * kv.element_size(), time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - reported to the writing side, which ends the stream
                 item = e
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            q.put(item)
             if isinstance(item, Exception):
                 return
 
@@ -147,21 +163,23 @@ def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipe
                 item = q.get(timeout=timeout_s)
             except queue.Empty:
                 raise HandoffError("timeout", f"encoding a layer took over {timeout_s} s") from None
+            if isinstance(item, HandoffError):
+                raise item
             if isinstance(item, Exception):
                 raise HandoffError("encode", f"encoding failed: {type(item).__name__}: {item}") from item
-            i, blob, nraw, e_s = item
-            n = len(blob)
-            if n > staging.nbytes or offset + n > dst.nbytes:
+            i, buf, n, nraw, e_s = item
+            if offset + n > dst.nbytes:
                 raise HandoffError("refused", f"layer {i} encodes to {n} bytes: past the receive buffer "
-                                              f"({dst.nbytes - offset} left) or the staging buffer ({staging.nbytes})")
-            staging.array[:n] = memoryview(blob)
+                                              f"({dst.nbytes - offset} left)")
+            h = digest(memoryview(buf.array)[:n])
             t0 = time.perf_counter()
             try:
-                transport.write(staging, 0, dst, offset, n, timeout_s=timeout_s)
+                transport.write(buf, 0, dst, offset, n, timeout_s=timeout_s)
             except TransportError as e:
                 raise HandoffError("transport", f"writing layer {i} failed: {e}") from e
             w_s = time.perf_counter() - t0
-            yield LayerNotice(i, offset, n, digest(blob), e_s, w_s)
+            free.put(buf)
+            yield LayerNotice(i, offset, n, h, e_s, w_s)
             offset += n
             raw += nraw
             enc_s += e_s

@@ -86,7 +86,6 @@ class _NvCodec(Codec):
     device_encode: ClassVar[bool] = True
     algorithm: ClassVar[str]
     kind: ClassVar[str] = "RAW"
-    cpu_format: ClassVar[bool] = True  # False: no CPU implementation; host streams go through the GPU if there is one
 
     def _missing(self, what: str) -> "NvcompMissing":
         return NvcompMissing(f"the {self.name} codec's {what}")

@@ -26,7 +26,7 @@ import torch
 
 from . import codecs, nvcodecs, quantizers, transforms  # noqa: F401  (registers the stages)
 from .codecs import Codec
-from .container import MAX_VALUES, Entry, StreamRecord, pack, unpack
+from .container import MAX_VALUES, Entry, StreamRecord, pack, pack_into, unpack
 from .errors import ContainerError, SpecError
 from .layout import check_entry
 from .quantizers import Quantizer
@@ -85,14 +85,20 @@ class Pipeline:
 
     # --- encode ----------------------------------------------------------------------------------------------
     def encode(self, kv: KV, head_scores: torch.Tensor | None = None) -> bytearray:
+        return pack(self.to_spec(), self._encode_entries(kv, head_scores))
+
+    def encode_into(self, kv: KV, out: Any, head_scores: torch.Tensor | None = None) -> int:
+        """``encode`` written into the writable buffer ``out`` (e.g. a transport's registered staging memory);
+        returns the blob's length. ``ValueError`` if it does not fit."""
+        return pack_into(out, self.to_spec(), self._encode_entries(kv, head_scores))
+
+    def _encode_entries(self, kv: KV, head_scores: torch.Tensor | None) -> list[Entry]:
         scores = head_scores if head_scores is not None else self.head_scores
         if isinstance(kv, Mapping):
             if not kv:
                 raise ValueError("kv dict is empty")
-            entries = [self._encode_one(_check_kv(v, str(k)), str(k), scores) for k, v in kv.items()]
-        else:
-            entries = [self._encode_one(_check_kv(kv, None), None, scores)]
-        return pack(self.to_spec(), entries)
+            return [self._encode_one(_check_kv(v, str(k)), str(k), scores) for k, v in kv.items()]
+        return [self._encode_one(_check_kv(kv, None), None, scores)]
 
     def _encode_one(self, kv: torch.Tensor, key: str | None, scores: torch.Tensor | None) -> Entry:
         if self.lossless:  # bit patterns straight through: float round trips would canonicalise NaN payloads
@@ -141,7 +147,8 @@ class Pipeline:
                     raise ContainerError("stream size does not match the recorded shape")
                 if isinstance(v, torch.Tensor):
                     return v.reshape(e.shape).view(torch.bfloat16), None
-                return torch.from_numpy(v.view(np.int16).reshape(e.shape).copy()).view(torch.bfloat16), None
+                v = v.view(np.int16).reshape(e.shape)  # a codec's array owns its memory (Codec.decode)
+                return torch.from_numpy(v if v.flags.writeable else v.copy()).view(torch.bfloat16), None
             y, mask = self.quantizer.decode(q, e.meta["q"], e.shape, device)
             x = self.transform.decode(y, t)
         except ContainerError:

@@ -83,7 +83,7 @@ def runnable(spec: str, device: str | torch.device) -> bool:
     """Whether this instance can encode ``spec``: a codec with no host implementation (nvCOMP's ANS) needs a CUDA
     device with nvCOMP."""
     codec = Pipeline(spec).codec
-    return getattr(codec, "cpu_format", True) or gpu_ready(device)
+    return codec.cpu_format or gpu_ready(device)
 
 
 def table_profiles(path: str, device: str | torch.device = "cpu") -> list[Profile]:
