@@ -518,7 +518,9 @@ def main(argv: list[str] | None = None) -> int:
            "transport": ("Mooncake Transfer Engine, TCP on loopback; " +
                          ("the loopback of a network namespace of its own shaped by tc tbf per bandwidth"
                           if a.link == "tc" else "sender-side token bucket per bandwidth")),
-           "codecs_run_on": "the prefill host's CPU (KV leaves the device through the instance's KV tier)",
+           "codecs_run_on": ("the GPU for lossy and nvCOMP pipelines (each layer goes from the host KV tier to the "
+                             "GPU, is coded there, and its coded bytes cross through host memory); the host CPU for "
+                             "BF16 and host-codec lossless ones" if a.device.startswith("cuda") else "the host CPU"),
            "rows": rows, "summary": summarise(rows, a.bandwidths), "trace": tr,
            "decision_time": decision_time(profiles), "seconds": time.perf_counter() - t0}
     report.write(out, doc, draw, argv)

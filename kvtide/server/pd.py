@@ -26,8 +26,8 @@ from ..log import get_logger
 from ..store.bandwidth import gbps
 from ..store.breaker import present
 from ..store.keys import chunk_keys
-from ..transfer.handoff import (HandoffError, LayerNotice, SendResult, capacity, check_spec, layer_capacity,
-                                receive_layers, send_layers)
+from ..transfer.handoff import (HandoffError, LayerNotice, SendResult, capacity, check_spec, codec_device,
+                                layer_capacity, receive_layers, send_layers)
 from ..transfer.pipeline import Pipeline
 from ..transfer.policy import (PolicyKeyError, TransferPolicy, check_policy_key, measured_lossless, packaged_table,
                                table_profiles)
@@ -194,11 +194,15 @@ class PrefillRole(KVRole):
             store, C = self.restorer.store, self.chunk
 
             import torch
-            layer = torch.empty(2, n, self.kv_heads, self.head_dim, dtype=torch.bfloat16)  # one per hand-off
+            # one layer buffer per hand-off, on the GPU where the pipeline computes there (codec_device)
+            where = codec_device(pipe, self.engine.config.torch_device) or torch.device("cpu")
+            layer = torch.empty(2, n, self.kv_heads, self.head_dim, dtype=torch.bfloat16, device=where)
 
             def read_layer(i: int) -> torch.Tensor:  # the encoder is done with the last layer when it asks
-                return torch.cat([store.get(k, i, ids[k.index * C:(k.index + 1) * C]) for k in keys], dim=1,
-                                 out=layer)
+                for k in keys:
+                    lo = k.index * C
+                    layer[:, lo:lo + C].copy_(store.get(k, i, ids[lo:lo + C]))  # synchronous: the entry may go
+                return layer
 
             # two buffers: layer i+1 is encoded into one while layer i is written from the other
             staging = [self.buffers.take(layer_capacity(raw_layer)) for _ in range(2)]
@@ -347,11 +351,9 @@ class DecodeRole(KVRole):
                 store.put(k, layer, ids[lo:lo + C], kv[:, lo:lo + C])  # the record copies the strided view
 
         try:
-            # a GPU engine decodes coded layers with the GPU codecs; raw BF16 goes straight to the host tier
-            device = self.engine.config.torch_device
-            coded = not (pipe.lossless and pipe.codec.name == "none")
+            # a GPU engine decodes on its GPU what computes there; raw BF16 goes straight to the host tier
             return receive_layers(notices(), buf, pipe, self.num_layers, (2, n, self.kv_heads, self.head_dim), sink,
-                                  device=device if device.type == "cuda" and coded else None)
+                                  device=codec_device(pipe, self.engine.config.torch_device))
         except queue.Empty:
             raise HandoffError("timeout", "no layer notice within the transfer timeout") from None
 

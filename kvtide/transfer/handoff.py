@@ -51,6 +51,17 @@ def layer_capacity(raw_layer_bytes: int) -> int:
     return int(math.ceil(raw_layer_bytes * BLOB_SLACK)) + BLOB_HEADROOM
 
 
+def codec_device(pipeline: Pipeline, device: torch.device | str | None) -> torch.device | None:
+    """Where a hand-off with ``pipeline`` encodes and decodes on an instance whose engine runs on ``device``: its
+    GPU for every pipeline that computes there (transforms, quantizers, the nvCOMP codecs), None (the host) for
+    BF16 as is and for lossless pipelines whose codec runs on the host, which would only cross the bus twice."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    if pipeline.lossless and (pipeline.codec.name == "none" or not pipeline.codec.device_encode):
+        return None
+    return torch.device(device)
+
+
 def digest(data: Any) -> str:
     return xxhash.xxh64(data).hexdigest()
 

@@ -123,3 +123,34 @@ def test_a_store_record_of_a_strided_layer_slice_equals_the_contiguous_one():
     b.put(k, 0, ids[16:32], view.contiguous())
     assert a.records() == b.records()
     assert torch.equal(a.get(k, 0, ids[16:32]).view(torch.int16), view.view(torch.int16))
+
+
+@pytest.mark.parametrize("spec,gpu", [("none|none|none", False), ("none|none|zstd", False), ("none|none|zipf", False),
+                                      ("none|none|nvzstd", True), ("none|kivi:k=2,v=2,g=32,r=32|pack", True),
+                                      ("delta:a=16|layer:b=6/4/3,g=64|nvans", True)])
+def test_codec_device_puts_computing_pipelines_on_the_gpu(spec, gpu):
+    from kvtide.transfer.handoff import codec_device
+
+    p = Pipeline(spec)
+    assert codec_device(p, "cpu") is None and codec_device(p, None) is None
+    assert codec_device(p, "cuda:0") == (torch.device("cuda:0") if gpu else None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["none|kivi:k=2,v=2,g=16,r=16|pack", "none|uniform:k=3,v=3,g=16|pack"])
+def test_gpu_hand_off_equals_the_cpu_one(spec):
+    """Layers read onto the GPU, encoded and decoded there, give the CPU hand-off's blobs and tensors."""
+    kv = layers(3)
+    _, _, cpu = hand_off(kv, spec)
+    a, b = InProcTransport(), InProcTransport()
+    raw = kv[0].numel() * 2
+    staging = [a.alloc(layer_capacity(raw)) for _ in range(2)]
+    buf = b.alloc(capacity(raw, L))
+    pipe = Pipeline(spec)
+    notices = [i for i in send_layers(lambda i: kv[i].cuda(), L, pipe, "p", a, staging, buf.remote())
+               if isinstance(i, LayerNotice)]
+    got: dict[int, torch.Tensor] = {}
+    receive_layers(notices, buf, pipe, L, (2, T, H, D), lambda i, x: got.__setitem__(i, x.clone()), device="cuda")
+    for i in range(L):
+        assert got[i].device.type == "cpu"
+        assert torch.equal(got[i].view(torch.int16), cpu[i].view(torch.int16)), f"layer {i} differs"
