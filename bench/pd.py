@@ -142,7 +142,8 @@ class Cluster:
         s = kv["sender"]
         prefill, decode_leg = t1 - t0, t2 - t1
         return {"jct": t2 - t0, "prefill": prefill, "compress": s["encode_s"], "transfer": s["write_s"],
-                "sender_total": s["total_s"], "assumed_bandwidth": kv.get("bandwidth"),
+                "sender_total": s["total_s"], "wire_span": s.get("wire_span_s") or s["write_s"],
+                "assumed_bandwidth": kv.get("bandwidth"),
                 "decompress": kv["decode_seconds"], "handoff": kv["seconds"], "decode": decode_leg - kv["seconds"],
                 "profile": kv["profile"], "quality": kv["quality"], "wire_bytes": kv["wire_bytes"],
                 "raw_bytes": kv["raw_bytes"], "ratio": kv["raw_bytes"] / max(1, kv["wire_bytes"]),
@@ -301,7 +302,7 @@ def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: l
     Every arm's decision state is its own: its requests carry ``policy_key`` = its name, so the prefill side's
     meter and residuals under the controller's key see only the controller's transfers; the bench-side arms learn
     residuals and (no-bandwidth-correction) goodput from their own transfers only, with the server's estimator
-    (`GoodputMeter`, EWMA of wire bytes over write seconds) and its residual target (the sender's span)."""
+    (`GoodputMeter.observe_transfer`: link-paced transfers' wire bytes over their write span) and its residual target (the sender's span)."""
     seq = drift(a.trace_requests, 5.0, 100.0, a.seed)
     guess = gbps_bytes(math.sqrt(5.0 * 100.0) * factor)  # the no-bandwidth-model arm's fixed guess, always
     arms: dict[str, Any] = {"controller": None,
@@ -317,7 +318,7 @@ def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: l
     cluster.set_link(seq[0] * factor)
     for name in ("controller", "no-bandwidth-correction"):
         r = cluster.run(prompts.fresh(0), {"profile": BF16, "policy_key": name})
-        state[name]["meter"].observe(r["wire_bytes"], r["transfer"])
+        state[name]["meter"].observe_transfer(r["wire_bytes"], r["transfer"], r["wire_span"])
     # Arms interleaved per request, in an order rotated each request: drift of the machine falls on every arm alike.
     for i, g in enumerate(seq):
         bw = gbps_bytes(g * factor)
@@ -344,8 +345,8 @@ def trace(a: argparse.Namespace, cluster: Cluster, prompts: Prompts, profiles: l
                 assumed = r["assumed_bandwidth"]  # what the server's decision under this key assumed
             elif name != "no-bandwidth-correction":
                 ctl.observe(d, r["sender_total"])
-            if r["transfer"] > 0 and r["wire_bytes"] > 0:
-                s["meter"].observe(r["wire_bytes"], r["transfer"])
+            if r["wire_span"] > 0 and r["wire_bytes"] > 0:
+                s["meter"].observe_transfer(r["wire_bytes"], r["transfer"], r["wire_span"])
             s["jcts"].append(r["jct"])
             s["profiles"].append(r["profile"])
             s["assumed_gbps"].append(assumed * 8 / 1e9 / factor if assumed else None)

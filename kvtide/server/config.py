@@ -32,7 +32,9 @@ class ServerConfig:
     kv_transfer_host: str = "127.0.0.1"  # the transport's local address
     kv_transfer_protocol: str = "tcp"  # tcp | rdma (Mooncake)
     kv_transfer_timeout_s: float = 30.0  # a hand-off not complete by then is abandoned: the prompt is recomputed
-    kv_transfer_max_bytes: int = 8 << 30  # the largest receive buffer a decode instance allocates for one request
+    # the largest receive buffer a decode instance allocates for one request, and the most either role keeps
+    # registered for reuse between hand-offs (transfer/transport/pool.py)
+    kv_transfer_max_bytes: int = 8 << 30
     kv_profiles: str | None = None  # a KVServe profile table (kvtide bench kvserve-profiles); None: the bundled model's
     kv_bandwidth_guess_gbps: float = 10.0  # what the policy assumes of a peer before its first measured transfer
     kv_pacing_gbps: float | None = None  # sender-side token bucket on the transport (None: the link's own rate)

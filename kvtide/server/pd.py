@@ -331,8 +331,8 @@ class DecodeRole(KVRole):
                 "quality": header.get("quality"), "bandwidth": header.get("bandwidth"),
                 "bandwidth_measured": header.get("bandwidth_measured"), "wire_bytes": wire, "raw_bytes": raw,
                 "seconds": seconds,
-                "decode_seconds": decoded.decode_s, "sender": {k: result.get(k) for k in
-                                                               ("encode_s", "write_s", "total_s")}}
+                "decode_seconds": decoded.decode_s,
+                "sender": {k: result.get(k) for k in ("encode_s", "write_s", "total_s", "wire_span_s")}}
 
     def _decode(self, lines: "queue.Queue", buf: LocalBuffer, pipe: Pipeline, ids: list[int], n: int):
         keys = chunk_keys(ids[:n], self.restorer.keyspace)

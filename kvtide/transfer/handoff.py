@@ -113,6 +113,7 @@ class SendResult:
     encode_s: float  # summed over layers
     write_s: float  # summed over layers (the wire, paced)
     total_s: float  # first encode to last write (the overlapped span)
+    wire_span_s: float = 0.0  # start of the first write to the end of the last (what GoodputMeter.observe_transfer reads)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -168,6 +169,8 @@ def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipe
     worker.start()
     offset = raw = 0
     enc_s = wr_s = 0.0
+    first: float | None = None
+    last = 0.0
     try:
         for _ in range(num_layers):
             try:
@@ -188,7 +191,10 @@ def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipe
                 transport.write(buf, 0, dst, offset, n, timeout_s=timeout_s)
             except TransportError as e:
                 raise HandoffError("transport", f"writing layer {i} failed: {e}") from e
-            w_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            w_s = t1 - t0
+            first = t0 if first is None else first
+            last = t1
             free.put(buf)
             yield LayerNotice(i, offset, n, h, e_s, w_s)
             offset += n
@@ -196,7 +202,7 @@ def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipe
             enc_s += e_s
             wr_s += w_s
         yield SendResult(profile, pipeline.to_spec(), num_layers, raw, offset, enc_s, wr_s,
-                         time.perf_counter() - t_start)
+                         time.perf_counter() - t_start, last - (first if first is not None else last))
     finally:
         stop.set()
         worker.join(timeout=timeout_s)

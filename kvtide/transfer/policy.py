@@ -207,7 +207,7 @@ class TransferPolicy:
             m = s.meters.get(peer)
             if m is None:
                 m = s.meters[peer] = GoodputMeter(self.alpha)
-            if result.write_s > 0 and result.wire_bytes > 0:
-                m.observe(result.wire_bytes, result.write_s)
+            if result.wire_span_s > 0 and result.wire_bytes > 0:
+                m.observe_transfer(result.wire_bytes, result.write_s, result.wire_span_s)
             if choice.decision is not None:
                 (s.lossless if choice.lossless_only else s.any).observe(choice.decision, result.total_s)

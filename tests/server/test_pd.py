@@ -109,6 +109,9 @@ def test_lossless_profiles_give_the_single_instance_tokens(cluster, reference, s
         kv = body["kv_transfer"]
         assert kv["used"], kv
         assert kv["spec"] == spec and kv["quality"] == 1.0
+        r = kv["restore"]  # the restoration that put the handed-off KV in place: all of it loaded
+        assert r["load_bytes"] > 0 and r["fallback_tokens"] == 0, r
+        assert r["load_s"] > 0 and r["total_s"] > 0, r
     st = restorer.stats
     moved = cluster.decode_metric("kvtide:kv_transfer_tokens_total") - before[2]
     assert moved > 0

@@ -24,8 +24,9 @@ def _policy(**kw) -> TransferPolicy:
     return TransferPolicy([LOSSY], guess_bandwidth=1e11, config=OnlineConfig(epsilon=0.0), **kw)
 
 
-def _sent(wire: int, write_s: float, total_s: float) -> SendResult:
-    return SendResult("p", "s", 30, VOLUME, wire, 0.5, write_s, total_s)
+def _sent(wire: int, write_s: float, total_s: float, span_s: float | None = None) -> SendResult:
+    """A transfer whose writes filled their span (the link set the pace) unless ``span_s`` says otherwise."""
+    return SendResult("p", "s", 30, VOLUME, wire, 0.5, write_s, total_s, write_s if span_s is None else span_s)
 
 
 def _slow(policy: TransferPolicy, key: str) -> None:

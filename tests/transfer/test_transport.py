@@ -276,6 +276,20 @@ def test_goodput_meter_ewma():
         GoodputMeter(alpha=0)
 
 
+def test_goodput_meter_takes_link_paced_transfers_and_only_bounds_the_others():
+    m = GoodputMeter(alpha=0.5)
+    assert m.observe_transfer(1000, 9.0, 10.0) == pytest.approx(100.0)  # writes filled the span: the link's rate
+    assert m.observe_transfer(1000, 4.0, 5.0) == pytest.approx(150.0)  # EWMA of 100 and 200
+    # the encoder was the bottleneck (writes 10% of the span, each at burst speed): not a sample of the link ...
+    assert m.observe_transfer(100, 0.1, 1.0) == pytest.approx(150.0)
+    # ... only a lower bound on it, taken where it is above the estimate
+    assert m.observe_transfer(1000, 0.5, 2.0) == pytest.approx(500.0) and m.count == 4
+    assert m.observe_transfer(0, 1.0, 1.0) == pytest.approx(500.0)  # nothing moved, nothing learned
+    fresh = GoodputMeter(alpha=0.5)
+    assert fresh.observe_transfer(100, 0.1, 1.0) == pytest.approx(100.0)  # with no estimate, the bound is one
+    assert fresh.observe_transfer(1000, 1.0, 1.0) == pytest.approx(550.0) and fresh.count == 2
+
+
 def test_goodput_meter_is_thread_safe():
     m = GoodputMeter(alpha=0.5)
 

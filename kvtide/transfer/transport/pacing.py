@@ -16,6 +16,7 @@ import time
 from .base import LocalBuffer, RemoteBuffer, Transport, TransportTimeout
 
 MIN_SLICE = 256 << 10  # bytes
+WIRE_BOUND = 0.5  # a transfer whose writes fill this share of their span was paced by the link
 SLICE_SECONDS = 2e-3  # an automatic slice carries this much time at the current rate
 
 
@@ -171,6 +172,24 @@ class GoodputMeter:
         sample = nbytes / seconds
         with self._lock:
             self._rate = sample if self._rate is None else self.alpha * sample + (1 - self.alpha) * self._rate
+            self._count += 1
+            return self._rate
+
+    def observe_transfer(self, nbytes: int, write_s: float, span_s: float) -> float | None:
+        """Add one multi-write transfer: ``write_s`` its writes' summed seconds, ``span_s`` from the start of its
+        first write to the end of its last. Where the writes filled most of the span the link set the pace, and
+        ``nbytes / span_s`` is its sustained rate. Where they did not (the encoder was slower than the link), each
+        write found the link idle and went at burst speed (a shaper's bucket, a switch's buffer), which says nothing
+        of the sustained rate: such a transfer only raises the estimate to ``nbytes / span_s``, a lower bound (or
+        sets it, conservatively, where there is none yet)."""
+        if nbytes <= 0 or not span_s > 0 or math.isinf(span_s) or not write_s >= 0:
+            return self.rate
+        sample = nbytes / span_s
+        if write_s >= WIRE_BOUND * span_s:
+            return self.observe(nbytes, span_s)
+        with self._lock:
+            if self._rate is None or sample > self._rate:  # a first bound is the estimate until a real sample
+                self._rate = sample
             self._count += 1
             return self._rate
 
