@@ -102,15 +102,11 @@ def _payloads(entries: list[Entry]) -> tuple[list[Any], list[int]]:
     return payloads, [_nbytes(p) for p in payloads]
 
 
-def packed_size(spec: str, entries: list[Entry]) -> int:
-    """Bytes ``pack`` would write for these entries."""
-    _, sizes = _payloads(entries)
-    return len(_header(spec, entries, sizes)) + sum(sizes) + SUM_BYTES[VERSION]
-
-
 def pack(spec: str, entries: list[Entry]) -> bytearray:
-    out = bytearray(packed_size(spec, entries))
-    pack_into(memoryview(out), spec, entries)
+    payloads, sizes = _payloads(entries)
+    head = _header(spec, entries, sizes)
+    out = bytearray(len(head) + sum(sizes) + SUM_BYTES[VERSION])
+    _write(memoryview(out), head, payloads, sizes)
     return out
 
 
@@ -125,8 +121,14 @@ def pack_into(out: Any, spec: str, entries: list[Entry]) -> int:
     if view.readonly or total > view.nbytes:
         raise ValueError(f"the container takes {total} bytes; the buffer is "
                          f"{'read-only' if view.readonly else f'{view.nbytes} bytes'}")
+    _write(view[:total], head, payloads, sizes)
+    return total
+
+
+def _write(view: memoryview, head: bytes, payloads: list[Any], sizes: list[int]) -> None:
+    """Header, payloads and checksum into ``view``, exactly the container's length."""
     view[:len(head)] = head
-    host = torch.frombuffer(view, dtype=torch.uint8, count=total)
+    host = torch.frombuffer(view, dtype=torch.uint8)
     off, i = len(head), 0
     while i < len(payloads):
         p = payloads[i]
@@ -142,14 +144,13 @@ def pack_into(out: Any, spec: str, entries: list[Entry]) -> int:
             continue
         if sizes[i]:
             src = memoryview(p).cast("B")
-            if src.readonly:  # torch wants a writable buffer to wrap; a small or read-only payload is copied here
+            if src.readonly:  # torch wraps only writable buffers: a read-only payload (coded bytes) is copied here
                 view[off:off + sizes[i]] = src
             else:
                 host[off:off + sizes[i]].copy_(torch.frombuffer(src, dtype=torch.uint8))
         off, i = off + sizes[i], i + 1
-    end = total - SUM_BYTES[VERSION]
-    view[end:total] = checksum(view[:end])
-    return total
+    end = len(view) - SUM_BYTES[VERSION]
+    view[end:] = checksum(view[:end])
 
 
 def unpack(blob: bytes | bytearray | memoryview, max_values: int = MAX_VALUES) -> tuple[str, list[Entry]]:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvtide.transfer.container import pack_into
-from kvtide.transfer.handoff import HandoffError, LayerNotice, SendResult, capacity, layer_capacity, receive_layers, \
-    send_layers
+from kvtide.transfer.handoff import (HandoffError, LayerNotice, SendResult, capacity, codec_device, layer_capacity,
+                                    receive_layers, send_layers)
 from kvtide.transfer.pipeline import Pipeline
 from kvtide.transfer.transport.inproc import InProcTransport
 from kvtide.transfer.transport.pool import BufferPool
@@ -129,8 +129,6 @@ def test_a_store_record_of_a_strided_layer_slice_equals_the_contiguous_one():
                                       ("none|none|nvzstd", True), ("none|kivi:k=2,v=2,g=32,r=32|pack", True),
                                       ("delta:a=16|layer:b=6/4/3,g=64|nvans", True)])
 def test_codec_device_puts_computing_pipelines_on_the_gpu(spec, gpu):
-    from kvtide.transfer.handoff import codec_device
-
     p = Pipeline(spec)
     assert codec_device(p, "cpu") is None and codec_device(p, None) is None
     assert codec_device(p, "cuda:0") == (torch.device("cuda:0") if gpu else None)
