@@ -149,6 +149,14 @@ class RestoreRecord:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def timings(self) -> dict[str, Any]:
+        """Where its time went, for an API answer (``kv_transfer.restore``): seconds, bytes and fallbacks."""
+        return {"method": self.method, "requests": len(self.request_ids), "total_s": self.total_seconds,
+                "planning_s": self.planning_seconds, "load_s": self.load_seconds,
+                "recompute_s": self.recompute_seconds, "wait_s": self.wait_seconds, "suffix_s": self.suffix_seconds,
+                "load_bytes": self.load_bytes, "predicted_s": self.predicted_seconds,
+                "paused_s": self.paused_seconds, "advances": self.advances, "fallback_tokens": self.fallback_tokens}
+
 
 @dataclass
 class _Flight:
@@ -818,6 +826,19 @@ class Restorer:
             advances=res.advances, profile=profile,
             profile_quality=self.profiles.get(profile).quality if profile is not None else 1.0,
             decode_seconds=res.decode_seconds))
+
+    def record_of(self, request_ids: list[str]) -> RestoreRecord | None:
+        """The latest kept restoration that served one of ``request_ids`` (any thread; None: none kept)."""
+        ids = set(request_ids)
+        for _ in range(3):  # the engine thread appends meanwhile: a copy can meet a mutation
+            try:
+                recs = list(self.history)
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        return next((r for r in reversed(recs) if ids.intersection(r.request_ids)), None)
 
     def close(self) -> None:
         f, self._flight = self._flight, None

@@ -77,23 +77,8 @@ class KVRole:
 
     def restoration(self, request_ids: list[str]) -> dict[str, Any] | None:
         """Timings of the restoration that loaded a request's prompt KV (None: none on record)."""
-        ids = set(request_ids)
-        for _ in range(3):  # the engine thread appends meanwhile: a copy can meet a mutation
-            try:
-                recs = list(self.restorer.history)
-                break
-            except RuntimeError:
-                continue
-        else:
-            return None
-        rec = next((r for r in reversed(recs) if ids.intersection(r.request_ids)), None)
-        if rec is None:
-            return None
-        return {"method": rec.method, "requests": len(rec.request_ids), "total_s": rec.total_seconds,
-                "planning_s": rec.planning_seconds, "load_s": rec.load_seconds, "recompute_s": rec.recompute_seconds,
-                "wait_s": rec.wait_seconds, "suffix_s": rec.suffix_seconds, "load_bytes": rec.load_bytes,
-                "predicted_s": rec.predicted_seconds, "paused_s": rec.paused_seconds, "advances": rec.advances,
-                "fallback_tokens": rec.fallback_tokens}
+        rec = self.restorer.record_of(request_ids)
+        return rec.timings() if rec is not None else None
 
     def raw_layer_bytes(self, tokens: int) -> int:
         return 2 * tokens * self.kv_heads * self.head_dim * 2  # K and V in BF16

@@ -2,8 +2,9 @@
 
 A request's KV crosses one layer at a time: the sender encodes layer i+1 (its pipeline, straight into registered
 staging memory) while layer i is on the wire, and after each write sends a ``LayerNotice`` (offset, length,
-digest) on a control stream; the receiver decodes each layer as its notice arrives, so compression, transfer and decompression overlap (KVServe's JCT with
-the three stages pipelined, not summed). Layers are written back to back into one receive buffer.
+digest) on a control stream; the receiver decodes each layer as its notice arrives, so compression, transfer and
+decompression overlap (KVServe's JCT with the three stages pipelined, not summed). Layers are written back to
+back into one receive buffer.
 
 The receiver trusts nothing: notices must come in layer order, tile the buffer from offset 0 without gaps or
 overlap, stay inside it; each layer's bytes must match their digest, decode under a value bound with the spec the
@@ -113,7 +114,7 @@ class SendResult:
     encode_s: float  # summed over layers
     write_s: float  # summed over layers (the wire, paced)
     total_s: float  # first encode to last write (the overlapped span)
-    wire_span_s: float = 0.0  # start of the first write to the end of the last (what GoodputMeter.observe_transfer reads)
+    wire_span_s: float = 0.0  # first write's start to the last one's end (GoodputMeter.observe_transfer)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -169,8 +170,7 @@ def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipe
     worker.start()
     offset = raw = 0
     enc_s = wr_s = 0.0
-    first: float | None = None
-    last = 0.0
+    wire_start = wire_end = 0.0
     try:
         for _ in range(num_layers):
             try:
@@ -191,10 +191,9 @@ def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipe
                 transport.write(buf, 0, dst, offset, n, timeout_s=timeout_s)
             except TransportError as e:
                 raise HandoffError("transport", f"writing layer {i} failed: {e}") from e
-            t1 = time.perf_counter()
-            w_s = t1 - t0
-            first = t0 if first is None else first
-            last = t1
+            wire_end = time.perf_counter()
+            wire_start = wire_start or t0
+            w_s = wire_end - t0
             free.put(buf)
             yield LayerNotice(i, offset, n, h, e_s, w_s)
             offset += n
@@ -202,7 +201,7 @@ def send_layers(read_layer: Callable[[int], torch.Tensor], num_layers: int, pipe
             enc_s += e_s
             wr_s += w_s
         yield SendResult(profile, pipeline.to_spec(), num_layers, raw, offset, enc_s, wr_s,
-                         time.perf_counter() - t_start, last - (first if first is not None else last))
+                         time.perf_counter() - t_start, wire_end - wire_start)
     finally:
         stop.set()
         worker.join(timeout=timeout_s)
